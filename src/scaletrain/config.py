@@ -1,0 +1,287 @@
+"""Run configuration: a tree of small dataclasses, read from and written to TOML.
+
+Every leaf field is also a command-line flag (``train.batch_size`` -> ``--batch-size``),
+so leaf names are unique across sections. Validation happens in ``__post_init__`` and
+raises ``ValueError`` naming the field. Names that live in registries (strategy,
+dataset, model, optimizer) are checked later by ``scaletrain.registry_check``, because the
+registries import torch and this module must stay cheap to import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """'2' -> (2, 2); '1:4' -> (1, 4), as torchrun's --nnodes."""
+    parts = str(value).split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"nnodes: expected N or MIN:MAX, got {value!r}") from None
+    _require(1 <= lo <= hi, "nnodes", f"need 1 <= MIN <= MAX, got {value!r}")
+    return lo, hi
+
+
+@dataclass(kw_only=True)
+class LaunchSection:
+    """How processes are started (mirrors torchrun's flags)."""
+
+    nproc_per_node: int = field(default=1, metadata={"help": "worker processes on this node"})
+    nnodes: str = field(default="1", metadata={"help": "number of nodes, N or MIN:MAX"})
+    node_rank: int = field(
+        default=0, metadata={"help": "this node's index; node 0 hosts the rendezvous"}
+    )
+    rdzv_endpoint: str = field(
+        default="", metadata={"help": "HOST:PORT of the c10d rendezvous (default: local)"}
+    )
+    rdzv_id: str = field(default="", metadata={"help": "job id shared by all nodes"})
+    max_restarts: int = field(default=0, metadata={"help": "worker-group restarts on failure"})
+    timeout_s: float = field(
+        default=300.0, metadata={"help": "timeout of rendezvous and every collective, seconds"}
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.nproc_per_node >= 1, "nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
+        parse_nnodes(self.nnodes)
+        _require(self.node_rank >= 0, "node_rank", f"must be >= 0, got {self.node_rank}")
+        _require(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
+        _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            _require(
+                bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                "rdzv_endpoint",
+                f"expected HOST:PORT, got {self.rdzv_endpoint!r}",
+            )
+        if parse_nnodes(self.nnodes)[1] > 1:
+            _require(
+                bool(self.rdzv_endpoint),
+                "rdzv_endpoint",
+                "required when nnodes > 1 (HOST:PORT of node 0)",
+            )
+
+
+@dataclass(kw_only=True)
+class TrainSection:
+    """The training loop."""
+
+    strategy: str = field(default="ddp", metadata={"help": "training strategy"})
+    epochs: int = field(default=1, metadata={"help": "passes over the training data"})
+    max_steps: int = field(default=0, metadata={"help": "stop after this many steps (0: no limit)"})
+    batch_size: int = field(default=32, metadata={"help": "samples per worker per step"})
+    drop_last: bool = field(
+        default=False, metadata={"help": "drop the last incomplete global batch of each epoch"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of model init and data order"})
+    deterministic: bool = field(
+        default=False, metadata={"help": "deterministic kernels: same seed, same weights"}
+    )
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    num_threads: int = field(
+        default=0, metadata={"help": "intra-op threads per worker (0: cores / local workers)"}
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
+        _require(self.max_steps >= 0, "max_steps", f"must be >= 0, got {self.max_steps}")
+        _require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        _require(self.num_threads >= 0, "num_threads", f"must be >= 0, got {self.num_threads}")
+        _require(
+            self.device in ("auto", "cpu", "cuda"),
+            "device",
+            f"must be one of auto, cpu, cuda; got {self.device!r}",
+        )
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    """What to train on: a built-in dataset, or a user task that brings its own."""
+
+    dataset: str = field(default="digits", metadata={"help": "built-in dataset"})
+    num_samples: int = field(
+        default=0, metadata={"help": "training samples to use (0: the dataset's default)"}
+    )
+    image_size: int = field(default=32, metadata={"help": "side of synthetic images, pixels"})
+    task: str = field(
+        default="",
+        metadata={"help": "user task 'file.py:function' or 'module:function' (replaces dataset and model)"},
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.num_samples >= 0, "num_samples", f"must be >= 0, got {self.num_samples}")
+        _require(self.image_size >= 8, "image_size", f"must be >= 8, got {self.image_size}")
+        if self.task:
+            _require(
+                ":" in self.task,
+                "task",
+                f"expected 'file.py:function' or 'module:function', got {self.task!r}",
+            )
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    model: str = field(default="cnn", metadata={"help": "built-in model"})
+    width: int = field(default=32, metadata={"help": "base channel/hidden width of the model"})
+
+    def __post_init__(self) -> None:
+        _require(self.width >= 1, "width", f"must be >= 1, got {self.width}")
+
+
+@dataclass(kw_only=True)
+class OptimSection:
+    optimizer: str = field(default="sgd", metadata={"help": "sgd, adam or adamw"})
+    lr: float = field(default=0.05, metadata={"help": "learning rate"})
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+
+SECTIONS: dict[str, type] = {
+    "launch": LaunchSection,
+    "train": TrainSection,
+    "data": DataSection,
+    "model": ModelSection,
+    "optim": OptimSection,
+}
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    out: str = field(default="", metadata={"help": "run directory (default runs/<timestamp>)"})
+    launch: LaunchSection = field(default_factory=LaunchSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+
+    @property
+    def world_size_hint(self) -> int:
+        """World size when every node has joined (the maximum under elastic sizes)."""
+        return parse_nnodes(self.launch.nnodes)[1] * self.launch.nproc_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """Stable hash of everything that affects training (not where it is written)."""
+        d = self.to_dict()
+        d.pop("out")
+        return hashlib.sha256(dumps_toml(d).encode()).hexdigest()[:16]
+
+
+def leaf_fields() -> dict[str, tuple[str | None, dataclasses.Field[Any]]]:
+    """Flag name -> (section or None for top level, field). Names are unique by design."""
+    out: dict[str, tuple[str | None, dataclasses.Field[Any]]] = {}
+    for f in dataclasses.fields(RunConfig):
+        if f.name in SECTIONS:
+            for sub in dataclasses.fields(SECTIONS[f.name]):
+                assert sub.name not in out, f"duplicate config leaf {sub.name}"
+                out[sub.name] = (f.name, sub)
+        else:
+            out[f.name] = (None, f)
+    return out
+
+
+def _coerce(where: str, f: dataclasses.Field[Any], value: Any) -> Any:
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind == "float":
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ValueError(f"{where}: expected {kind}, got {value!r}")
+    return value
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build a validated RunConfig from nested dicts (as TOML gives); unknown keys are errors."""
+    kwargs: dict[str, Any] = {}
+    top = {f.name: f for f in dataclasses.fields(RunConfig)}
+    for key, value in data.items():
+        if key not in top:
+            raise ValueError(f"unknown key {key!r}; valid top-level keys: {', '.join(top)}")
+        if key not in SECTIONS:
+            kwargs[key] = _coerce(key, top[key], value)
+            continue
+        if not isinstance(value, dict):
+            raise ValueError(f"[{key}] must be a table, got {value!r}")
+        fields = {f.name: f for f in dataclasses.fields(SECTIONS[key])}
+        section: dict[str, Any] = {}
+        for k, v in value.items():
+            if k not in fields:
+                raise ValueError(f"unknown key {k!r} in [{key}]; valid: {', '.join(fields)}")
+            section[k] = _coerce(f"{key}.{k}", fields[k], v)
+        kwargs[key] = SECTIONS[key](**section)
+    return RunConfig(**kwargs)
+
+
+def with_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    """Apply flat overrides {leaf_name: value} (as the CLI gives) and re-validate."""
+    data = cfg.to_dict()
+    leaves = leaf_fields()
+    for name, value in overrides.items():
+        section, _ = leaves[name]
+        if section is None:
+            data[name] = value
+        else:
+            data[section][name] = value
+    return from_dict(data)
+
+
+def load_toml(path: str | Path) -> RunConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read config file {p}: {e.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {p} is not valid TOML: {e}") from None
+    try:
+        return from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"config file {p}: {e}") from None
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{s}"'
+
+
+def dumps_toml(data: dict[str, Any]) -> str:
+    """Write the flat-scalars-then-tables subset of TOML that RunConfig needs."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for k, v in data.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+    return "\n".join(lines) + "\n"

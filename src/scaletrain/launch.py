@@ -1,0 +1,179 @@
+"""RunConfig -> torch's elastic agent (what torchrun runs), locally or across nodes.
+
+The launcher process *is* the elastic agent of its node: it rendezvouses with the other
+nodes' agents (c10d backend), starts ``python -m scaletrain.worker RUN_DIR`` once per local
+rank, watches them, restarts the group on failure up to --max-restarts, and stops every
+worker (SIGTERM, then SIGKILL after a grace period) when one fails for good. Workers also ask
+the kernel to kill them if the agent dies (runtime.die_with_parent), so no orphans remain.
+
+FIELD-NOTES.md: with the default shared rendezvous store, restarted workers sometimes read stale
+gloo addresses (pytorch #135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives workers a store
+of their own and made restarts reliable there.
+
+While the agent runs, a thread tails DIR/metrics.jsonl to draw rank 0's progress bar in this
+terminal (metrics/progress.py): workers' own output goes to DIR/logs/rank<R>.log.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from scaletrain.config import RunConfig, dumps_toml, parse_nnodes
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process failed; the message says which rank, why, and its last log lines."""
+
+
+class LaunchFailed(RuntimeError):
+    """The agent could not start or keep the job: rendezvous timeout, a signal, ..."""
+
+
+def check_names(cfg: RunConfig) -> None:
+    """Registry names are checked here, before any process starts."""
+    from scaletrain.data.datasets import DATASETS
+    from scaletrain.models import MODELS
+    from scaletrain.strategies import STRATEGIES
+    from scaletrain.task import OPTIMIZERS
+
+    def known(kind: str, name: str, registry: dict[str, Any]) -> None:
+        if name not in registry:
+            raise ValueError(f"unknown {kind} {name!r}; known {kind}s: {', '.join(sorted(registry))}")
+
+    known("strategy", cfg.train.strategy, STRATEGIES)
+    known("optimizer", cfg.optim.optimizer, OPTIMIZERS)
+    if cfg.data.task:
+        target = cfg.data.task.rpartition(":")[0]
+        if target.endswith(".py") and not Path(target).is_file():
+            raise ValueError(f"task: file {target} does not exist")
+    else:
+        known("dataset", cfg.data.dataset, DATASETS)
+        known("model", cfg.model.model, MODELS)
+
+
+def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
+    """Create the run directory, refuse one that already holds a run, write config.toml."""
+    out = Path(cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    for name in ("summary.json", "metrics.jsonl"):
+        if (out / name).exists():
+            raise ValueError(
+                f"out: {out} already holds a run ({name} exists); pass another --out or remove it"
+            )
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        (out / "checkpoints").mkdir(exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out: cannot create run directory {out}: {e.strerror}") from None
+    data = cfg.to_dict()
+    data["out"] = str(out)
+    from scaletrain.config import from_dict
+
+    resolved = from_dict(data)
+    (out / "config.toml").write_text(dumps_toml(resolved.to_dict()))
+    return resolved, out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(port: int) -> None:
+    """The rendezvous host binds its store on all interfaces; fail early if it cannot."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(
+                    f"rdzv_endpoint: port {port} is already in use on this machine (another "
+                    "scaletrain or torchrun job?); pick a free port with --rdzv-endpoint HOST:PORT "
+                    "or stop the other job"
+                ) from None
+            raise ValueError(f"rdzv_endpoint: cannot bind port {port}: {e.strerror}") from None
+
+
+def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from scaletrain.metrics.logs import RunLogsSpecs
+
+    min_nodes, max_nodes = parse_nnodes(cfg.launch.nnodes)
+    is_host = cfg.launch.node_rank == 0
+    endpoint = cfg.launch.rdzv_endpoint
+    local_only = not endpoint
+    if local_only:
+        endpoint = f"127.0.0.1:{free_port()}"
+    elif is_host:
+        check_port_free(int(endpoint.rpartition(":")[2]))
+    timeout = int(cfg.launch.timeout_s)
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=cfg.launch.nproc_per_node,
+        run_id=cfg.launch.rdzv_id or f"scaletrain-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": is_host, "timeout": timeout, "join_timeout": timeout},
+        max_restarts=cfg.launch.max_restarts,
+        logs_specs=RunLogsSpecs(run_dir),
+        local_addr="127.0.0.1" if local_only else None,
+        shutdown_timeout=5,
+    )
+
+
+def set_launch_env(local_only: bool) -> None:
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if local_only and sys.platform.startswith("linux"):
+        # Keep a local job on loopback even when the hostname resolves to another interface.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
+    """Launch this node's workers for ``cfg`` and wait for them.
+
+    Returns summary.json's contents (empty when rank 0 ran on another node). Raises ValueError
+    for bad input (before any worker starts) and WorkerFailed when a worker fails for good.
+    """
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from scaletrain.metrics.logs import describe_failure
+    from scaletrain.metrics.progress import ProgressView
+
+    check_names(cfg)
+    cfg, run_dir = prepare_run_dir(cfg)
+    launch_config = build_launch_config(cfg, run_dir)
+    set_launch_env(local_only=not cfg.launch.rdzv_endpoint)
+    progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)
+    try:
+        with progress:
+            elastic_launch(launch_config, sys.executable)("-m", "scaletrain.worker", str(run_dir))
+    except ChildFailedError as e:
+        raise WorkerFailed(describe_failure(e.failures, run_dir)) from None
+    except RendezvousError as e:
+        raise LaunchFailed(
+            f"rendezvous at {launch_config.rdzv_endpoint} failed: {e}. Check that every node "
+            "uses the same --rdzv-endpoint and --rdzv-id and that node 0 is up."
+        ) from None
+    except SignalException as e:
+        raise LaunchFailed(f"stopped by {e.sigval.name}; the workers were stopped") from None
+    summary_path = run_dir / "summary.json"
+    summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary["run_dir"] = str(run_dir)
+    return summary

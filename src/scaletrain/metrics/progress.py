@@ -1,0 +1,138 @@
+"""The launcher's live view of rank 0 (progress bar) and the end-of-run summary table.
+
+Rendering happens in the launcher process, not in a worker: a thread tails DIR/metrics.jsonl
+and shows rank 0's latest step, loss, throughput of the whole job and communication share over
+a sliding window. Workers pay one small file append per step for it and never draw anything.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class ProgressView:
+    def __init__(self, metrics_path: Path, *, enabled: bool = True, window: int = 20) -> None:
+        self.path = metrics_path
+        self.enabled = enabled
+        self.window: deque[dict[str, Any]] = deque(maxlen=window)
+        self._offset = 0
+        self._partial = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="scaletrain-progress")
+        self._progress = Progress(
+            TextColumn("[bold]epoch {task.fields[epoch]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[rate]} samples/s"),
+            TextColumn("comm {task.fields[comm]}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+        )
+        self._task: Any = None
+
+    def __enter__(self) -> ProgressView:
+        if self.enabled:
+            self._progress.start()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self.poll()
+            self._progress.stop()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.25):
+            self.poll()
+
+    def _new_records(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return []
+        self._offset += len(chunk)
+        data = self._partial + chunk
+        *lines, self._partial = data.split(b"\n")
+        records = []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
+    def poll(self) -> None:
+        for record in self._new_records():
+            if record.get("rank") == 0:
+                self.window.append(record)
+        if not self.window:
+            return
+        last = self.window[-1]
+        fields = {
+            "epoch": last["epoch"] + 1,
+            "loss": f"{last['loss']:.4f}",
+            "rate": f"{self.rate():,.0f}",
+            "comm": f"{self.comm_share():.0%}",
+        }
+        if self._task is None:
+            self._task = self._progress.add_task("train", total=last["total_steps"], **fields)
+        self._progress.update(self._task, completed=last["step"], **fields)
+
+    def rate(self) -> float:
+        """Samples per second of the whole job over the window (rank 0's clock)."""
+        if len(self.window) < 2:
+            last = self.window[-1]
+            return float(last["global_samples"] / last["step_s"]) if last["step_s"] else 0.0
+        span = self.window[-1]["time_s"] - self.window[0]["time_s"]
+        samples = sum(r["global_samples"] for r in list(self.window)[1:])
+        return samples / span if span > 0 else 0.0
+
+    def comm_share(self) -> float:
+        step = sum(r["step_s"] for r in self.window)
+        return sum(r["comm_s"] for r in self.window) / step if step > 0 else 0.0
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    t = summary["time_breakdown"]
+    table = Table(title="scaletrain run summary", show_header=False)
+    table.add_column("figure", style="bold")
+    table.add_column("value")
+    rows = [
+        ("strategy", f"{summary['strategy']} on {summary['world_size']} workers "
+                     f"({summary['backend']}, {summary['device']})"),
+        ("steps / samples", f"{summary['steps']} / {summary['samples']:,} "
+                            f"(global batch {summary['global_batch_size']})"),
+        ("wall time", f"{summary['wall_s']:.2f} s"),
+        ("throughput", f"{_fmt(summary['samples_per_s'], ',.0f')} samples/s"),
+        ("final loss", _fmt(summary["final_loss"], ".4f")),
+        ("test accuracy", "-" if summary["test_accuracy"] is None
+                          else f"{summary['test_accuracy']:.2%}"),
+        ("time per rank", f"compute {t['compute_s']:.2f} s, comm {t['comm_s']:.2f} s, "
+                          f"wait {t['wait_s']:.2f} s, data {t['data_s']:.2f} s"),
+        ("communication", f"{summary['comm_share']:.0%} of step time in flight, "
+                          f"{summary['wait_share']:.0%} blocked; "
+                          f"{summary['comm_bytes_per_step'] / 1e6:.2f} MB per step per rank"),
+        ("params sha256", summary["params_sha256"][:16] + "..."),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    console.print(f"run directory: [bold]{summary['run_dir']}[/bold]")

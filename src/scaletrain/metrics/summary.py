@@ -1,0 +1,94 @@
+"""Per-rank totals, their aggregation over ranks, and summary.json.
+
+summary.json (written by rank 0 at the end) holds the DESIGN.md contract: strategy,
+world_size, steps, samples, wall_s, samples_per_s, final_loss, test_accuracy,
+time_breakdown {compute_s, comm_s, wait_s, data_s, checkpoint_s}, recoveries and
+params_sha256, plus the extras documented in README.md. Time totals in time_breakdown are the
+mean over ranks of each rank's sum over its steps; per_rank lists every rank's own totals.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def params_sha256(model: nn.Module) -> str:
+    """Hash of every parameter's name, dtype, shape and bytes, in name order. Buffers are left
+    out on purpose: BatchNorm running statistics legitimately differ between DDP ranks."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        tensor = param.detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+TIME_KEYS = ("compute_s", "comm_s", "wait_s", "data_s")
+
+
+@dataclass(kw_only=True)
+class RankTotals:
+    rank: int
+    steps: int = 0
+    samples: int = 0
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    wait_s: float = 0.0
+    data_s: float = 0.0
+    comm_bytes: int = 0
+    last_loss: float = float("nan")
+    last_samples: int = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.steps += 1
+        self.samples += record["samples"]
+        self.step_s += record["step_s"]
+        for key in TIME_KEYS:
+            setattr(self, key, getattr(self, key) + record[key])
+        self.comm_bytes += record["comm_bytes"]
+        self.last_loss = record["loss"]
+        self.last_samples = record["samples"]
+
+
+def build_summary(
+    ranks: list[RankTotals],
+    *,
+    wall_s: float,
+    checkpoint_s: float,
+    test_accuracy: float | None,
+    params_hash: str,
+    info: dict[str, Any],
+) -> dict[str, Any]:
+    world = len(ranks)
+    steps = ranks[0].steps
+    samples = sum(r.samples for r in ranks)
+    last_n = sum(r.last_samples for r in ranks)
+    final_loss = (
+        sum(r.last_loss * r.last_samples for r in ranks) / last_n if last_n else None
+    )
+    breakdown = {key: sum(getattr(r, key) for r in ranks) / world for key in TIME_KEYS}
+    breakdown["checkpoint_s"] = checkpoint_s
+    step_s = sum(r.step_s for r in ranks) / world
+    return {
+        **info,
+        "world_size": world,
+        "steps": steps,
+        "samples": samples,
+        "wall_s": wall_s,
+        "samples_per_s": samples / wall_s if wall_s > 0 else None,
+        "final_loss": final_loss,
+        "test_accuracy": test_accuracy,
+        "time_breakdown": breakdown,
+        "comm_share": breakdown["comm_s"] / step_s if step_s > 0 else 0.0,
+        "wait_share": breakdown["wait_s"] / step_s if step_s > 0 else 0.0,
+        "comm_bytes_per_step": sum(r.comm_bytes for r in ranks) / world / max(steps, 1),
+        "recoveries": [],
+        "params_sha256": params_hash,
+        "per_rank": [asdict(r) for r in ranks],
+    }

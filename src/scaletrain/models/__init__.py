@@ -1,0 +1,21 @@
+"""Built-in models and their registry: name -> factory(input_shape, num_classes, width)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from scaletrain.models.cnn import build_cnn
+from scaletrain.models.mlp import build_mlp
+
+MODELS: dict[str, Callable[[tuple[int, ...], int, int], nn.Module]] = {
+    "cnn": build_cnn,
+    "mlp": build_mlp,
+}
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, width: int) -> nn.Module:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
+    return MODELS[name](input_shape, num_classes, width)

@@ -1,0 +1,101 @@
+"""Per-worker process setup: who am I, which device, process group, seeds, logs.
+
+Everything here runs once at worker start, before the task is built. The elastic agent gives
+each worker RANK, WORLD_SIZE, LOCAL_RANK, ... in its environment (see torch.distributed.elastic).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import random
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from scaletrain.config import RunConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    restart_count: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker if its agent dies, so a killed launcher leaves no orphans."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def redirect_output(log_path: Path) -> None:
+    """Send this process's stdout and stderr (Python and C++ alike) to its rank log, appending,
+    so a restarted worker adds to the same file."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but torch sees no CUDA device")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def apply_determinism(cfg: RunConfig, local_world_size: int) -> None:
+    seed = cfg.train.seed
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # Thread count changes float summation order, so it is fixed whenever results must repeat.
+    threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // local_world_size)
+    torch.set_num_threads(threads)
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def init_distributed(cfg: RunConfig) -> DistContext:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = pick_device(cfg, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
+        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        device=device,
+        backend=backend,
+    )

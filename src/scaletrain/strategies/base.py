@@ -1,0 +1,67 @@
+"""The Strategy ABC: how one training step is computed and synchronized across workers.
+
+The trainer hands a strategy one ``Batch`` per step and gets a ``StepResult`` back; it never
+asks which strategy it holds. A new strategy is a subclass here plus one entry in
+``strategies/__init__.py``'s registry.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.config import RunConfig
+from scaletrain.runtime import DistContext
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """One rank's share of one global step. ``num_samples`` is this rank's count and
+    ``global_samples`` the count over all ranks, so a strategy can weight by samples."""
+
+    inputs: Any
+    targets: Any
+    num_samples: int
+    global_samples: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """``loss`` is this rank's mean loss over its samples (a 0-dim tensor, not yet synced).
+    Times are seconds: compute (forward, backward, optimizer, minus time blocked on peers),
+    comm (gradient communication in flight, hidden or not), wait (blocked on communication).
+    ``extras`` go into metrics.jsonl as they are (e.g. staleness)."""
+
+    loss: torch.Tensor
+    compute_s: float
+    comm_s: float
+    wait_s: float
+    comm_bytes: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Strategy(ABC):
+    def __init__(self, ctx: DistContext, cfg: RunConfig) -> None:
+        self.ctx = ctx
+        self.cfg = cfg
+
+    @abstractmethod
+    def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
+        """Wrap the model, build the optimizer. Called once, before the first step."""
+
+    @abstractmethod
+    def train_step(self, batch: Batch) -> StepResult:
+        """Forward, backward, synchronize, update."""
+
+    @property
+    @abstractmethod
+    def model(self) -> nn.Module:
+        """The user's plain module with current weights (for evaluation, hashing, saving)."""

@@ -1,0 +1,87 @@
+"""Synchronous data parallelism on torch's DistributedDataParallel (gloo on CPU, NCCL on GPU).
+
+Gradient semantics. Plain DDP all-reduces gradients and divides by the world size, which is the
+gradient of the mean loss over all samples only when every rank holds the same number of
+samples. Here ranks may differ (the last batch of an epoch, uneven splits), so each rank scales
+its local mean loss by ``n_r * W / N`` before backward (n_r: its samples, N: the step's samples
+over all ranks, known to every rank from the sampler's plan, so no extra collective is needed).
+DDP's division by W then yields ``sum_r n_r * grad_r / N``: the gradient of the mean over all N
+samples. When all ranks hold N / W samples the scale is exactly 1 and is skipped, so the common
+case is bit-for-bit plain DDP. Scaling the loss (rather than weighting inside a comm hook) keeps
+the weighting independent of whatever hook carries the gradients.
+
+Measurement. The comm hook is DDP's default all-reduce (divide by W, sum), written in Python
+so that each bucket's collective is timed from launch to completion (metrics/timers.py).
+"""
+
+# No `from __future__ import annotations` here: DDP inspects the hook's `bucket` annotation at
+# run time and rejects a string.
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from scaletrain.metrics.timers import CommTimer
+from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult, Strategy
+
+
+def timed_allreduce_hook(
+    state: tuple[CommTimer, int], bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    timer, world_size = state
+    buffer = bucket.buffer()
+    start = timer.now()
+    buffer.div_(world_size)
+    future = dist.all_reduce(buffer, async_op=True).get_future()  # type: ignore[union-attr]
+    nbytes = buffer.numel() * buffer.element_size()
+
+    def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        timer.record(start, timer.now(), nbytes)
+        return fut.value()[0]  # type: ignore[no-any-return]
+
+    return future.then(finished)
+
+
+class DDPStrategy(Strategy):
+    def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
+        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(model, device_ids=device_ids)
+        self.timer = CommTimer()
+        self.ddp.register_comm_hook((self.timer, self.ctx.world_size), timed_allreduce_hook)
+        self.optimizer = build_optimizer(self.ddp.parameters())
+        self.loss_fn = loss_fn
+
+    @property
+    def model(self) -> nn.Module:
+        return self.ddp.module
+
+    def _sync_device(self) -> None:
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+
+    def train_step(self, batch: Batch) -> StepResult:
+        start = self.timer.now()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.ddp(batch.inputs), batch.targets)
+        scale = batch.num_samples * self.ctx.world_size / batch.global_samples
+        (loss if scale == 1.0 else loss * scale).backward()
+        self._sync_device()
+        backward_end = self.timer.now()
+        self.optimizer.step()
+        self._sync_device()
+        end = self.timer.now()
+        comm = self.timer.collect()
+        blocked = (
+            max(0.0, min(backward_end, comm.last_end) - comm.last_launch)
+            if comm.num_collectives
+            else 0.0
+        )
+        return StepResult(
+            loss=loss.detach(),
+            compute_s=(end - start) - blocked,
+            comm_s=comm.busy_s,
+            wait_s=blocked,
+            comm_bytes=comm.bytes,
+        )

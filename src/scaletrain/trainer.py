@@ -1,0 +1,186 @@
+"""THE training loop: data -> strategy.train_step -> metrics -> (checkpoint) -> summary.
+
+It never asks which strategy is active. Per step it measures data time itself and takes
+compute/comm/wait from the strategy's StepResult; after the last step it evaluates on the
+test split (every rank a balanced slice, counts summed), gathers per-rank totals to rank 0,
+and rank 0 writes summary.json and checkpoints/final.pt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from scaletrain import __version__
+from scaletrain.config import RunConfig
+from scaletrain.data.datasets import ImageDataset, collate_batch
+from scaletrain.data.partition import rank_slice
+from scaletrain.data.sampler import GlobalBatchSampler
+from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
+from scaletrain.metrics.sinks import JsonlSink
+from scaletrain.metrics.summary import RankTotals, build_summary, params_sha256
+from scaletrain.runtime import DistContext
+from scaletrain.strategies import Batch, build_strategy
+from scaletrain.task import Task, build_optimizer
+
+log = logging.getLogger("scaletrain.trainer")
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple | list):
+        return type(obj)(to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def make_loader(dataset: Dataset[Any], *, cuda: bool, **kwargs: Any) -> DataLoader[Any]:
+    # Built-in datasets return whole batches from __getitems__; user datasets get torch's collate.
+    base = dataset.dataset if isinstance(dataset, Subset) else dataset
+    if isinstance(base, ImageDataset):
+        kwargs["collate_fn"] = collate_batch
+    return DataLoader(dataset, pin_memory=cuda, **kwargs)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, task: Task, run_dir: Path) -> None:
+        self.cfg, self.ctx, self.task, self.run_dir = cfg, ctx, task, run_dir
+        self.strategy = build_strategy(cfg.train.strategy, ctx, cfg)
+        self.strategy.setup(
+            task.model.to(ctx.device),
+            lambda params: build_optimizer(task, params, cfg),
+            task.loss_fn,
+        )
+        self.sampler = GlobalBatchSampler(
+            len(task.train_data),  # type: ignore[arg-type]
+            world_size=ctx.world_size,
+            rank=ctx.rank,
+            batch_size=cfg.train.batch_size,
+            seed=cfg.train.seed,
+            drop_last=cfg.train.drop_last,
+        )
+        self.loader = make_loader(
+            task.train_data, cuda=ctx.device.type == "cuda", batch_sampler=self.sampler
+        )
+        steps = cfg.train.epochs * len(self.sampler)
+        self.total_steps = min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
+        self.totals = RankTotals(rank=ctx.rank)
+
+    def fit(self) -> dict[str, Any] | None:
+        sink = JsonlSink(self.run_dir / "metrics.jsonl")
+        step = 0
+        start = time.perf_counter()
+        try:
+            for epoch in range(self.cfg.train.epochs):
+                self.sampler.set_epoch(epoch)
+                step = self._run_epoch(epoch, step, start, sink)
+                if step >= self.total_steps:
+                    break
+        finally:
+            sink.close()
+        wall_s = time.perf_counter() - start
+        accuracy = self.evaluate()
+        return self._finish(wall_s, accuracy)
+
+    def _run_epoch(self, epoch: int, step: int, start: float, sink: JsonlSink) -> int:
+        global_counts = self.sampler.global_counts()
+        batches = iter(self.loader)
+        for global_samples in global_counts:
+            if step >= self.total_steps:
+                break
+            t0 = time.perf_counter()
+            inputs, targets = to_device(next(batches), self.ctx.device)
+            data_s = time.perf_counter() - t0
+            local = rank_slice(0, global_samples, self.ctx.world_size, self.ctx.rank)
+            result = self.strategy.train_step(
+                Batch(
+                    inputs=inputs,
+                    targets=targets,
+                    num_samples=local[1] - local[0],
+                    global_samples=global_samples,
+                )
+            )
+            step += 1
+            record = {
+                "step": step,
+                "epoch": epoch,
+                "rank": self.ctx.rank,
+                "samples": local[1] - local[0],
+                "global_samples": global_samples,
+                "loss": result.loss.item(),
+                "step_s": time.perf_counter() - t0,
+                "compute_s": result.compute_s,
+                "comm_s": result.comm_s,
+                "wait_s": result.wait_s,
+                "data_s": data_s,
+                "comm_bytes": result.comm_bytes,
+                "time_s": time.perf_counter() - start,
+                "total_steps": self.total_steps,
+                **result.extras,
+            }
+            sink.write(record)
+            self.totals.add(record)
+        return step
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        test, eval_fn = self.task.test_data, self.task.eval_fn
+        if test is None or eval_fn is None:
+            return None
+        model = self.strategy.model
+        was_training = model.training
+        model.eval()
+        lo, hi = rank_slice(0, len(test), self.ctx.world_size, self.ctx.rank)  # type: ignore[arg-type]
+        loader = make_loader(
+            Subset(test, range(lo, hi)), cuda=self.ctx.device.type == "cuda", batch_size=512
+        )
+        correct = total = 0
+        for inputs, targets in loader:
+            c, t = eval_fn(model(to_device(inputs, self.ctx.device)), to_device(targets, self.ctx.device))
+            correct, total = correct + c, total + t
+        model.train(was_training)
+        counts = torch.tensor([correct, total], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(counts)
+        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+
+    def _finish(self, wall_s: float, accuracy: float | None) -> dict[str, Any] | None:
+        gathered: list[RankTotals | None] = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, self.totals)
+        if not self.ctx.is_main:
+            return None
+        model = self.strategy.model
+        started = time.perf_counter()
+        atomic_torch_save(
+            self.run_dir / "checkpoints" / "final.pt",
+            {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
+        )
+        checkpoint_s = time.perf_counter() - started
+        summary = build_summary(
+            [r for r in gathered if r is not None],
+            wall_s=wall_s,
+            checkpoint_s=checkpoint_s,
+            test_accuracy=accuracy,
+            params_hash=params_sha256(model),
+            info={
+                "strategy": self.cfg.train.strategy,
+                "backend": self.ctx.backend,
+                "device": self.ctx.device.type,
+                "batch_size_per_worker": self.cfg.train.batch_size,
+                "global_batch_size": self.cfg.train.batch_size * self.ctx.world_size,
+                "epochs": self.cfg.train.epochs,
+                "steps_per_epoch": len(self.sampler),
+                "config_hash": self.cfg.hash(),
+                "scaletrain_version": __version__,
+                "torch_version": torch.__version__,
+            },
+        )
+        atomic_write_json(self.run_dir / "summary.json", summary)
+        return summary

@@ -1,0 +1,54 @@
+"""Entry point of one worker process: ``python -m scaletrain.worker RUN_DIR``.
+
+The elastic agent starts one per local rank with RANK, WORLD_SIZE, ... in the environment.
+The worker reads the resolved DIR/config.toml, sends its output to DIR/logs/rank<R>.log,
+joins the process group, builds the task and trains. ``@record`` writes any exception to the
+error file the agent reads, so the launcher can tell the user which rank failed and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from scaletrain.config import load_toml
+from scaletrain.runtime import apply_determinism, die_with_parent, init_distributed, redirect_output
+from scaletrain.task import build_task
+from scaletrain.trainer import Trainer
+
+
+@record
+def main(argv: list[str]) -> None:
+    run_dir = Path(argv[0])
+    rank = int(os.environ["RANK"])
+    die_with_parent()
+    redirect_output(run_dir / "logs" / f"rank{rank}.log")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("scaletrain.worker")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    log.info("worker start: rank %s of %s, attempt %s, pid %d",
+             rank, os.environ["WORLD_SIZE"], restart, os.getpid())
+    cfg = load_toml(run_dir / "config.toml")
+    apply_determinism(cfg, int(os.environ["LOCAL_WORLD_SIZE"]))
+    ctx = init_distributed(cfg)
+    try:
+        trainer = Trainer(cfg, ctx, build_task(cfg), run_dir)
+        log.info("training %d steps on %s with %s", trainer.total_steps, ctx.device, ctx.backend)
+        summary = trainer.fit()
+        if summary is not None:
+            log.info("done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "test_accuracy")})
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
