@@ -7,11 +7,14 @@ __version__ = "0.1.0"
 from scaletrain.config import RunConfig  # noqa: E402
 from scaletrain.task import Task  # noqa: E402
 
-__all__ = ["RunConfig", "Task", "__version__", "launch"]
+__all__ = ["RunConfig", "Task", "__version__", "run"]
 
 
-def launch(cfg: RunConfig) -> dict:  # type: ignore[type-arg]
-    """Run ``cfg`` with local/elastic workers and return the summary (see launch.run)."""
-    from scaletrain.launch import run
+def run(cfg: RunConfig, *, show_progress: bool = True) -> dict:  # type: ignore[type-arg]
+    """Launch this node's workers for ``cfg``, wait, and return summary.json's contents.
 
-    return run(cfg)
+    Raises ValueError for bad input and scaletrain.launch.WorkerFailed when a worker fails.
+    """
+    from scaletrain import launch
+
+    return launch.run(cfg, show_progress=show_progress)

@@ -71,7 +71,8 @@ def describe_failure(failures: Mapping[int, Any], run_dir: Path) -> str:
         f"rank {first} failed (exit code {failure.exitcode}): {_reason(failure).rstrip('.')}.",
     ]
     if others:
-        lines.append(f"Also failed: rank {', '.join(map(str, others))}.")
+        listed = "; ".join(f"rank {r}: {_reason(failures[r]).rstrip('.')}" for r in others)
+        lines.append(f"Other ranks: {listed}.")
     lines.append("The remaining workers were stopped.")
     last = tail(log_path)
     if last:

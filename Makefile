@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+#
+# TORCH_CONSTRAINTS pins the CPU build of torch that these machines carry on disk. On a GPU
+# machine, override it, e.g. `make test TORCH_CONSTRAINTS=` (then pip picks torch from your
+# index) or point it at a file of your own.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_CONSTRAINTS ?= constraints/cpu.txt
+PIP_CONSTRAINT_FLAGS = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
+BIN = $(VENV)/bin
+STAMP = $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(PIP_CONSTRAINT_FLAGS) -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/scaletrain demo
+
+test: install
+	$(BIN)/pytest
+
+test-fast: install
+	$(BIN)/pytest tests/unit
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/mypy src
+
+bench: install
+	$(BIN)/python benchmarks/ddp_overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,62 @@
+"""Shared fixtures: environment isolation, process-group cleanup, CLI runner, orphan check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def isolated_env():
+    """Restore os.environ and destroy any process group a test left behind."""
+    saved = dict(os.environ)
+    yield
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains ``text`` (e.g. a run directory)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def assert_no_orphans(run_dir: Path, grace_s: float = 10.0) -> None:
+    deadline = time.monotonic() + grace_s
+    while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_mentioning(str(run_dir)) == [], f"processes of {run_dir} still alive"
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run `python -m scaletrain ARGS` as a user would; a hang fails the test via timeout."""
+    return subprocess.run(
+        [sys.executable, "-m", "scaletrain", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
