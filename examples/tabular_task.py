@@ -68,6 +68,8 @@ def build_task(cfg: RunConfig) -> Task:
         train_data=to_dataset(x_tr, y_tr),
         test_data=to_dataset(x_te, y_te),
         loss_fn=bce_loss,
-        build_optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=1e-4),
+        build_optimizer=lambda params: torch.optim.AdamW(
+            params, lr=cfg.optim.lr, weight_decay=1e-4
+        ),
         eval_fn=count_correct,
     )

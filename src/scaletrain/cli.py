@@ -32,11 +32,17 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         where = f"[{section}] {name}" if section else name
         help_text = f"{f.metadata.get('help', '')} ({where}, default {f.default!r})"
         if f.type == "bool":
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(
+                flag,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
         else:
-            parser.add_argument(flag, dest=name, type=types[str(f.type)],
-                                default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(
+                flag, dest=name, type=types[str(f.type)], default=argparse.SUPPRESS, help=help_text
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,8 +84,11 @@ def fail(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    base = dict(DEMO_DEFAULTS, out=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}") \
-        if args.command == "demo" else {}
+    base = (
+        dict(DEMO_DEFAULTS, out=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+        if args.command == "demo"
+        else {}
+    )
     try:
         from scaletrain.launch import LaunchFailed, WorkerFailed
 

@@ -57,7 +57,9 @@ class LaunchSection:
     )
 
     def __post_init__(self) -> None:
-        _require(self.nproc_per_node >= 1, "nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
+        _require(
+            self.nproc_per_node >= 1, "nproc_per_node", f"must be >= 1, got {self.nproc_per_node}"
+        )
         parse_nnodes(self.nnodes)
         _require(self.node_rank >= 0, "node_rank", f"must be >= 0, got {self.node_rank}")
         _require(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
@@ -120,7 +122,9 @@ class DataSection:
     image_size: int = field(default=32, metadata={"help": "side of synthetic images, pixels"})
     task: str = field(
         default="",
-        metadata={"help": "user task 'file.py:function' or 'module:function' (replaces dataset and model)"},
+        metadata={
+            "help": "user task 'file.py:function' or 'module:function' (replaces dataset and model)"
+        },
     )
 
     def __post_init__(self) -> None:

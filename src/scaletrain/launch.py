@@ -27,7 +27,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import RunConfig, dumps_toml, parse_nnodes
+from scaletrain.config import RunConfig, dumps_toml, from_dict, parse_nnodes
+from scaletrain.registry import lookup
 
 
 class WorkerFailed(RuntimeError):
@@ -45,19 +46,15 @@ def check_names(cfg: RunConfig) -> None:
     from scaletrain.strategies import STRATEGIES
     from scaletrain.task import OPTIMIZERS
 
-    def known(kind: str, name: str, registry: dict[str, Any]) -> None:
-        if name not in registry:
-            raise ValueError(f"unknown {kind} {name!r}; known {kind}s: {', '.join(sorted(registry))}")
-
-    known("strategy", cfg.train.strategy, STRATEGIES)
-    known("optimizer", cfg.optim.optimizer, OPTIMIZERS)
+    lookup(STRATEGIES, cfg.train.strategy, "strategy", "strategies")
+    lookup(OPTIMIZERS, cfg.optim.optimizer, "optimizer")
     if cfg.data.task:
         target = cfg.data.task.rpartition(":")[0]
         if target.endswith(".py") and not Path(target).is_file():
             raise ValueError(f"task: file {target} does not exist")
     else:
-        known("dataset", cfg.data.dataset, DATASETS)
-        known("model", cfg.model.model, MODELS)
+        lookup(DATASETS, cfg.data.dataset, "dataset")
+        lookup(MODELS, cfg.model.model, "model")
 
 
 def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
@@ -75,8 +72,6 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
         raise ValueError(f"out: cannot create run directory {out}: {e.strerror}") from None
     data = cfg.to_dict()
     data["out"] = str(out)
-    from scaletrain.config import from_dict
-
     resolved = from_dict(data)
     (out / "config.toml").write_text(dumps_toml(resolved.to_dict()))
     return resolved, out

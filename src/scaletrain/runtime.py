@@ -38,7 +38,7 @@ class DistContext:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker if its agent dies, so a killed launcher leaves no orphans."""
+    """Ask Linux to SIGKILL this worker when its agent dies: a killed launcher leaves no orphans."""
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)

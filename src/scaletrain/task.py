@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from scaletrain.config import RunConfig
+from scaletrain.registry import lookup
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -57,13 +58,12 @@ OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter], RunConfig], torch.optim.
 }
 
 
-def build_optimizer(task: Task, params: Iterable[nn.Parameter], cfg: RunConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    task: Task, params: Iterable[nn.Parameter], cfg: RunConfig
+) -> torch.optim.Optimizer:
     if task.build_optimizer is not None:
         return task.build_optimizer(params)
-    name = cfg.optim.optimizer
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; known optimizers: {', '.join(sorted(OPTIMIZERS))}")
-    return OPTIMIZERS[name](params, cfg)
+    return lookup(OPTIMIZERS, cfg.optim.optimizer, "optimizer")(params, cfg)
 
 
 def build_builtin_task(cfg: RunConfig) -> Task:
@@ -110,5 +110,7 @@ def build_task(cfg: RunConfig) -> Task:
         return build_builtin_task(cfg)
     task = resolve_task_factory(cfg.data.task)(cfg)
     if not isinstance(task, Task):
-        raise TypeError(f"task {cfg.data.task} returned {type(task).__name__}, expected scaletrain.Task")
+        raise TypeError(
+            f"task {cfg.data.task} returned {type(task).__name__}, expected scaletrain.Task"
+        )
     return task

@@ -144,7 +144,9 @@ class Trainer:
         )
         correct = total = 0
         for inputs, targets in loader:
-            c, t = eval_fn(model(to_device(inputs, self.ctx.device)), to_device(targets, self.ctx.device))
+            c, t = eval_fn(
+                model(to_device(inputs, self.ctx.device)), to_device(targets, self.ctx.device)
+            )
             correct, total = correct + c, total + t
         model.train(was_training)
         counts = torch.tensor([correct, total], dtype=torch.float64, device=self.ctx.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch.distributed as dist
@@ -20,6 +21,9 @@ from scaletrain.config import load_toml
 from scaletrain.runtime import apply_determinism, die_with_parent, init_distributed, redirect_output
 from scaletrain.task import build_task
 from scaletrain.trainer import Trainer
+
+# Objects that hold process groups (DDP's Reducer) stay referenced until os._exit: see exit_now.
+_KEEP_ALIVE: list[object] = []
 
 
 @record
@@ -35,20 +39,45 @@ def main(argv: list[str]) -> None:
     )
     log = logging.getLogger("scaletrain.worker")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    log.info("worker start: rank %s of %s, attempt %s, pid %d",
-             rank, os.environ["WORLD_SIZE"], restart, os.getpid())
+    log.info(
+        "worker start: rank %s of %s, attempt %s, pid %d",
+        rank,
+        os.environ["WORLD_SIZE"],
+        restart,
+        os.getpid(),
+    )
     cfg = load_toml(run_dir / "config.toml")
     apply_determinism(cfg, int(os.environ["LOCAL_WORLD_SIZE"]))
     ctx = init_distributed(cfg)
     try:
         trainer = Trainer(cfg, ctx, build_task(cfg), run_dir)
+        _KEEP_ALIVE.append(trainer)
         log.info("training %d steps on %s with %s", trainer.total_steps, ctx.device, ctx.backend)
         summary = trainer.fit()
         if summary is not None:
-            log.info("done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "test_accuracy")})
+            log.info(
+                "done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "test_accuracy")}
+            )
     finally:
         dist.destroy_process_group()
 
 
+def exit_now(code: int) -> None:
+    """Leave without running destructors. A gloo ProcessGroup still referenced by DDP's
+    Reducer is destroyed, GIL held, when the last reference goes; its destructor joins gloo's
+    worker threads, which may be waiting for the GIL to free a finished collective's tensors:
+    a deadlock we hit about one run in three (pytorch issue #56297). Everything the run wrote
+    is flushed and renamed into place by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except BaseException:
+        # @record has written the error file for the agent; the traceback goes to the rank log.
+        traceback.print_exc()
+        exit_now(1)
+    exit_now(0)

@@ -44,7 +44,9 @@ def test_parse_nnodes():
 
 
 def test_toml_round_trip():
-    cfg = with_overrides(RunConfig(), {"lr": 0.2, "nproc_per_node": 3, "task": "a.py:f", "deterministic": True})
+    cfg = with_overrides(
+        RunConfig(), {"lr": 0.2, "nproc_per_node": 3, "task": "a.py:f", "deterministic": True}
+    )
     again = from_dict(__import__("tomllib").loads(dumps_toml(cfg.to_dict())))
     assert again == cfg
 

@@ -78,10 +78,19 @@ def test_params_hash_sees_every_bit():
 
 def test_summary_weights_final_loss_by_samples():
     ranks = [RankTotals(rank=0), RankTotals(rank=1)]
-    base = {"step_s": 1.0, "compute_s": 0.5, "comm_s": 0.2, "wait_s": 0.1, "data_s": 0.1, "comm_bytes": 8}
+    base = {
+        "step_s": 1.0,
+        "compute_s": 0.5,
+        "comm_s": 0.2,
+        "wait_s": 0.1,
+        "data_s": 0.1,
+        "comm_bytes": 8,
+    }
     ranks[0].add({**base, "samples": 3, "loss": 1.0})
     ranks[1].add({**base, "samples": 1, "loss": 3.0})
-    s = build_summary(ranks, wall_s=2.0, checkpoint_s=0.0, test_accuracy=None, params_hash="x", info={})
+    s = build_summary(
+        ranks, wall_s=2.0, checkpoint_s=0.0, test_accuracy=None, params_hash="x", info={}
+    )
     assert s["final_loss"] == pytest.approx(1.5)
     assert s["samples"] == 4 and s["samples_per_s"] == 2.0
     assert s["time_breakdown"]["comm_s"] == pytest.approx(0.2)

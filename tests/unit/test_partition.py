@@ -13,7 +13,9 @@ from scaletrain.data.sampler import GlobalBatchSampler
 
 def plan(n, world, batch, drop_last=False, epoch=0, seed=0):
     samplers = [
-        GlobalBatchSampler(n, world_size=world, rank=r, batch_size=batch, seed=seed, drop_last=drop_last)
+        GlobalBatchSampler(
+            n, world_size=world, rank=r, batch_size=batch, seed=seed, drop_last=drop_last
+        )
         for r in range(world)
     ]
     for s in samplers:
@@ -63,7 +65,9 @@ def test_step_contents_do_not_depend_on_world_size():
     reference = None
     for world in (1, 2, 3, 4):
         _, per_rank = plan(n, world, 12 // world, epoch=1, seed=7)
-        steps = [sorted(i for r in range(world) for i in per_rank[r][s]) for s in range(len(per_rank[0]))]
+        steps = [
+            sorted(i for r in range(world) for i in per_rank[r][s]) for s in range(len(per_rank[0]))
+        ]
         if reference is None:
             reference = steps
         assert steps == reference

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from scaletrain.registry import lookup
+
 
 class ImageDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """A classification dataset that knows its input shape and class count."""
@@ -65,7 +67,9 @@ def build_digits(split: str, num_samples: int = 0, **_: Any) -> TensorImageDatas
     x, y = (x_tr, y_tr) if split == "train" else (x_te, y_te)
     if split == "train" and num_samples:
         if num_samples > len(y):
-            raise ValueError(f"num_samples: digits has {len(y)} training samples, asked {num_samples}")
+            raise ValueError(
+                f"num_samples: digits has {len(y)} training samples, asked {num_samples}"
+            )
         x, y = x[:num_samples], y[:num_samples]
     return TensorImageDataset(torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y), 10)
 
@@ -161,6 +165,4 @@ DATASETS: dict[str, Callable[..., ImageDataset]] = {
 
 
 def build_dataset(name: str, split: str, **options: Any) -> ImageDataset:
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(sorted(DATASETS))}")
-    return DATASETS[name](split, **options)
+    return lookup(DATASETS, name, "dataset")(split, **options)

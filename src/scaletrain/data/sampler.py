@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 from torch.utils.data import Sampler
 
 from scaletrain.data import partition
@@ -51,10 +52,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return [end - start for start, end in self.bounds]
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            order = partition.epoch_permutation(self.num_samples, self.seed, self.epoch)
-        else:
-            order = range(self.num_samples)
+        order = (
+            partition.epoch_permutation(self.num_samples, self.seed, self.epoch)
+            if self.shuffle
+            else np.arange(self.num_samples)
+        )
         for start, end in self.bounds:
             lo, hi = partition.rank_slice(start, end, self.world_size, self.rank)
             yield [int(i) for i in order[lo:hi]]

@@ -21,6 +21,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600; run files are meant to be shared
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -80,4 +80,3 @@ def describe_failure(failures: Mapping[int, Any], run_dir: Path) -> str:
         lines += ["    " + line for line in last]
     lines.append(f"All logs: {run_dir / 'logs'}")
     return "\n".join(lines)
-

@@ -116,20 +116,34 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
     table.add_column("figure", style="bold")
     table.add_column("value")
     rows = [
-        ("strategy", f"{summary['strategy']} on {summary['world_size']} workers "
-                     f"({summary['backend']}, {summary['device']})"),
-        ("steps / samples", f"{summary['steps']} / {summary['samples']:,} "
-                            f"(global batch {summary['global_batch_size']})"),
+        (
+            "strategy",
+            f"{summary['strategy']} on {summary['world_size']} workers "
+            f"({summary['backend']}, {summary['device']})",
+        ),
+        (
+            "steps / samples",
+            f"{summary['steps']} / {summary['samples']:,} "
+            f"(global batch {summary['global_batch_size']})",
+        ),
         ("wall time", f"{summary['wall_s']:.2f} s"),
         ("throughput", f"{_fmt(summary['samples_per_s'], ',.0f')} samples/s"),
         ("final loss", _fmt(summary["final_loss"], ".4f")),
-        ("test accuracy", "-" if summary["test_accuracy"] is None
-                          else f"{summary['test_accuracy']:.2%}"),
-        ("time per rank", f"compute {t['compute_s']:.2f} s, comm {t['comm_s']:.2f} s, "
-                          f"wait {t['wait_s']:.2f} s, data {t['data_s']:.2f} s"),
-        ("communication", f"{summary['comm_share']:.0%} of step time in flight, "
-                          f"{summary['wait_share']:.0%} blocked; "
-                          f"{summary['comm_bytes_per_step'] / 1e6:.2f} MB per step per rank"),
+        (
+            "test accuracy",
+            "-" if summary["test_accuracy"] is None else f"{summary['test_accuracy']:.2%}",
+        ),
+        (
+            "time per rank",
+            f"compute {t['compute_s']:.2f} s, comm {t['comm_s']:.2f} s, "
+            f"wait {t['wait_s']:.2f} s, data {t['data_s']:.2f} s",
+        ),
+        (
+            "communication",
+            f"{summary['comm_share']:.0%} of step time in flight, "
+            f"{summary['wait_share']:.0%} blocked; "
+            f"{summary['comm_bytes_per_step'] / 1e6:.2f} MB per step per rank",
+        ),
         ("params sha256", summary["params_sha256"][:16] + "..."),
     ]
     for name, value in rows:

@@ -69,9 +69,7 @@ def build_summary(
     steps = ranks[0].steps
     samples = sum(r.samples for r in ranks)
     last_n = sum(r.last_samples for r in ranks)
-    final_loss = (
-        sum(r.last_loss * r.last_samples for r in ranks) / last_n if last_n else None
-    )
+    final_loss = sum(r.last_loss * r.last_samples for r in ranks) / last_n if last_n else None
     breakdown = {key: sum(getattr(r, key) for r in ranks) / world for key in TIME_KEYS}
     breakdown["checkpoint_s"] = checkpoint_s
     step_s = sum(r.step_s for r in ranks) / world

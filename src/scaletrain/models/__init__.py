@@ -8,6 +8,7 @@ from torch import nn
 
 from scaletrain.models.cnn import build_cnn
 from scaletrain.models.mlp import build_mlp
+from scaletrain.registry import lookup
 
 MODELS: dict[str, Callable[[tuple[int, ...], int, int], nn.Module]] = {
     "cnn": build_cnn,
@@ -16,6 +17,4 @@ MODELS: dict[str, Callable[[tuple[int, ...], int, int], nn.Module]] = {
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, width: int) -> nn.Module:
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
-    return MODELS[name](input_shape, num_classes, width)
+    return lookup(MODELS, name, "model")(input_shape, num_classes, width)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scaletrain.config import RunConfig
+from scaletrain.registry import lookup
 from scaletrain.runtime import DistContext
 from scaletrain.strategies.base import Batch, StepResult, Strategy
 from scaletrain.strategies.ddp import DDPStrategy
@@ -13,9 +14,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
 
 
 def build_strategy(name: str, ctx: DistContext, cfg: RunConfig) -> Strategy:
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; known strategies: {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name](ctx, cfg)
+    return lookup(STRATEGIES, name, "strategy", "strategies")(ctx, cfg)
 
 
 __all__ = ["STRATEGIES", "Batch", "StepResult", "Strategy", "build_strategy"]

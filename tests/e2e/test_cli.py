@@ -1,0 +1,187 @@
+"""The command line as a user runs it: real processes, real exit codes, real files."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.conftest import REPO, assert_no_orphans, run_cli
+
+
+def read_summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_digits_two_workers_reach_95_percent(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--strategy",
+        "ddp",
+        "--dataset",
+        "digits",
+        "--model",
+        "cnn",
+        "--epochs",
+        "8",
+        "--batch-size",
+        "32",
+        "--lr",
+        "0.05",
+        "--seed",
+        "1",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    summary = read_summary(out)
+    assert summary["test_accuracy"] >= 0.95
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 64
+    assert str(out) in result.stdout and "test accuracy" in result.stdout
+    # Run directory contract.
+    assert (out / "config.toml").read_text().count("nproc_per_node = 2") == 1
+    assert sorted(p.name for p in (out / "logs").glob("rank*.log")) == ["rank0.log", "rank1.log"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * summary["steps"]
+    assert {r["rank"] for r in records} == {0, 1}
+    assert (out / "checkpoints" / "final.pt").exists()
+    assert_no_orphans(out)
+
+
+def test_config_file_and_flags_override_it(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "[launch]\nnproc_per_node = 2\n[train]\nepochs = 3\nbatch_size = 8\nmax_steps = 5\n"
+        "[data]\ndataset = 'synthetic'\nnum_samples = 256\nimage_size = 16\n[model]\nwidth = 8\n"
+    )
+    out = tmp_path / "run"
+    result = run_cli("run", "--config", str(config), "--batch-size", "4", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    summary = read_summary(out)
+    assert summary["steps"] == 5 and summary["global_batch_size"] == 8
+    resolved = (out / "config.toml").read_text()
+    assert "batch_size = 4" in resolved and 'dataset = "synthetic"' in resolved
+    assert f'out = "{out}"' in resolved
+
+
+def test_deterministic_runs_give_identical_weights(tmp_path):
+    hashes = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        result = run_cli(
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--max-steps",
+            "15",
+            "--seed",
+            "5",
+            "--deterministic",
+            "--out",
+            str(out),
+        )
+        assert result.returncode == 0, result.stderr
+        hashes.append(read_summary(out)["params_sha256"])
+    assert hashes[0] == hashes[1]
+    out = tmp_path / "other-seed"
+    assert (
+        run_cli(
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--max-steps",
+            "15",
+            "--seed",
+            "6",
+            "--deterministic",
+            "--out",
+            str(out),
+        ).returncode
+        == 0
+    )
+    assert read_summary(out)["params_sha256"] != hashes[0]
+
+
+def test_user_task_example(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "run",
+        "--task",
+        "examples/tabular_task.py:build_task",
+        "--nproc-per-node",
+        "2",
+        "--epochs",
+        "10",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.003",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert read_summary(out)["test_accuracy"] >= 0.9
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--strategy", "magic"], "unknown strategy 'magic'; known strategies: ddp"),
+        (["--dataset", "imagenet"], "known datasets: digits, synthetic"),
+        (["--model", "resnet"], "known models: cnn, mlp"),
+        (["--nproc-per-node", "0"], "nproc_per_node: must be >= 1"),
+        (["--lr", "-0.1"], "lr: must be > 0"),
+        (["--config", "/nonexistent/run.toml"], "cannot read config file"),
+        (["--task", "nowhere.py:build"], "task: file nowhere.py does not exist"),
+    ],
+)
+def test_bad_input_is_a_clear_error(tmp_path, args, expected):
+    result = run_cli("run", *args, "--out", str(tmp_path / "run"), timeout=60)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_malformed_config_file(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text("[train]\nepochs = = 3\n")
+    result = run_cli("run", "--config", str(config), timeout=60)
+    assert result.returncode == 2
+    assert "not valid TOML" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_rendezvous_port_in_use(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli(
+            "run", "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(tmp_path / "r"), timeout=60
+        )
+    assert result.returncode == 2
+    assert f"port {port} is already in use" in result.stderr
+
+
+def test_user_model_raising_on_one_rank(tmp_path):
+    out = tmp_path / "run"
+    task = str(REPO / "tests" / "dist" / "tasks" / "raising_task.py") + ":build_task"
+    result = run_cli("run", "--nproc-per-node", "2", "--task", task, "--out", str(out), timeout=60)
+    assert result.returncode == 1
+    assert (
+        "rank 1 failed (exit code 1): RuntimeError: user model exploded on rank 1" in result.stderr
+    )
+    assert_no_orphans(out)
+
+
+def test_refuses_to_overwrite_a_finished_run(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    result = run_cli("run", "--out", str(out), timeout=60)
+    assert result.returncode == 2 and "already holds a run" in result.stderr
+    assert (out / "summary.json").read_text() == "{}"
