@@ -14,7 +14,6 @@ STAMP = $(VENV)/.installed
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(PIP_CONSTRAINT_FLAGS) -e '.[dev]'
 	touch $@
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,11 @@ def parse_nnodes(value: str) -> tuple[int, int]:
         raise ValueError(f"nnodes: expected N or MIN:MAX, got {value!r}") from None
     _require(1 <= lo <= hi, "nnodes", f"need 1 <= MIN <= MAX, got {value!r}")
     return lo, hi
+
+
+def threads_per_worker(num_threads: int, local_world_size: int) -> int:
+    """--num-threads, or else this machine's cores shared evenly by its local workers."""
+    return num_threads or max(1, (os.cpu_count() or 1) // local_world_size)
 
 
 @dataclass(kw_only=True)

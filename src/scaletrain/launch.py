@@ -27,7 +27,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import RunConfig, dumps_toml, from_dict, parse_nnodes
+from scaletrain.config import (
+    RunConfig,
+    dumps_toml,
+    from_dict,
+    parse_nnodes,
+    threads_per_worker,
+)
 from scaletrain.registry import lookup
 
 
@@ -128,8 +134,11 @@ def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
     )
 
 
-def set_launch_env(local_only: bool) -> None:
+def set_launch_env(cfg: RunConfig, local_only: bool) -> None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # As torchrun does: without it each worker's OpenMP pool would size itself to every core.
+    threads = threads_per_worker(cfg.train.num_threads, cfg.launch.nproc_per_node)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     if local_only and sys.platform.startswith("linux"):
         # Keep a local job on loopback even when the hostname resolves to another interface.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -154,7 +163,7 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     check_names(cfg)
     cfg, run_dir = prepare_run_dir(cfg)
     launch_config = build_launch_config(cfg, run_dir)
-    set_launch_env(local_only=not cfg.launch.rdzv_endpoint)
+    set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
     progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)
     try:
         with progress:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scaletrain.config import RunConfig
+from scaletrain.config import RunConfig, threads_per_worker
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,8 +74,7 @@ def apply_determinism(cfg: RunConfig, local_world_size: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     # Thread count changes float summation order, so it is fixed whenever results must repeat.
-    threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // local_world_size)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads_per_worker(cfg.train.num_threads, local_world_size))
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)

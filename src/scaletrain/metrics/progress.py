@@ -20,8 +20,14 @@ from rich.table import Table
 
 class ProgressView:
     def __init__(self, metrics_path: Path, *, enabled: bool = True, window: int = 20) -> None:
+        console = Console(stderr=True)
         self.path = metrics_path
         self.enabled = enabled
+        # A live bar is for a terminal. Elsewhere (a log file, CI) one plain line per tenth of
+        # the run says the same without flooding the log.
+        self.live = console.is_terminal
+        self._console = console
+        self._next_line_step = 0
         self.window: deque[dict[str, Any]] = deque(maxlen=window)
         self._offset = 0
         self._partial = b""
@@ -35,13 +41,15 @@ class ProgressView:
             TextColumn("{task.fields[rate]} samples/s"),
             TextColumn("comm {task.fields[comm]}"),
             TimeElapsedColumn(),
-            console=Console(stderr=True),
+            console=console,
+            auto_refresh=False,  # redraw only when a poll brings news, at most twice a second
         )
         self._task: Any = None
 
     def __enter__(self) -> ProgressView:
         if self.enabled:
-            self._progress.start()
+            if self.live:
+                self._progress.start()
             self._thread.start()
         return self
 
@@ -50,10 +58,11 @@ class ProgressView:
             self._stop.set()
             self._thread.join(timeout=5)
             self.poll()
-            self._progress.stop()
+            if self.live:
+                self._progress.stop()
 
     def _loop(self) -> None:
-        while not self._stop.wait(0.25):
+        while not self._stop.wait(0.5):
             self.poll()
 
     def _new_records(self) -> list[dict[str, Any]]:
@@ -87,9 +96,24 @@ class ProgressView:
             "rate": f"{self.rate():,.0f}",
             "comm": f"{self.comm_share():.0%}",
         }
+        if not self.live:
+            self._print_line(last, fields)
+            return
         if self._task is None:
             self._task = self._progress.add_task("train", total=last["total_steps"], **fields)
         self._progress.update(self._task, completed=last["step"], **fields)
+        self._progress.refresh()
+
+    def _print_line(self, last: dict[str, Any], fields: dict[str, Any]) -> None:
+        if last["step"] < self._next_line_step:
+            return
+        total = last["total_steps"]
+        self._next_line_step = last["step"] + max(1, total // 10)
+        self._console.print(
+            f"step {last['step']}/{total} epoch {fields['epoch']} loss {fields['loss']} "
+            f"{fields['rate']} samples/s comm {fields['comm']}",
+            highlight=False,
+        )
 
     def rate(self) -> float:
         """Samples per second of the whole job over the window (rank 0's clock)."""
