@@ -185,3 +185,31 @@ def test_refuses_to_overwrite_a_finished_run(tmp_path):
     result = run_cli("run", "--out", str(out), timeout=60)
     assert result.returncode == 2 and "already holds a run" in result.stderr
     assert (out / "summary.json").read_text() == "{}"
+
+
+def test_two_nodes_rendezvous_like_torchrun(tmp_path):
+    """Two launchers (one per 'node', on this machine) meet at a c10d rendezvous on node 0."""
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    procs = []
+    for node in (0, 1):
+        args = ["run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+                "--max-steps", "10", "--out", str(tmp_path / f"node{node}")]  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-m", "scaletrain", *args], cwd=REPO,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, stdin=subprocess.DEVNULL))  # fmt: skip
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    summaries = [tmp_path / f"node{n}" / "summary.json" for n in (0, 1)]
+    written = [json.loads(p.read_text()) for p in summaries if p.exists()]
+    assert len(written) == 1  # rank 0 lives on one of the nodes and writes the summary
+    assert written[0]["world_size"] == 2 and written[0]["steps"] == 10
+    for n in (0, 1):
+        assert_no_orphans(tmp_path / f"node{n}")
