@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from scaletrain import __version__
 from scaletrain.config import RunConfig
 from scaletrain.data.datasets import ImageDataset, collate_batch
-from scaletrain.data.partition import rank_slice
+from scaletrain.data.partition import rank_slice, split_counts
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
 from scaletrain.metrics.sinks import JsonlSink
@@ -66,11 +66,12 @@ class Trainer:
             batch_size=cfg.train.batch_size,
             seed=cfg.train.seed,
             drop_last=cfg.train.drop_last,
+            shard_sizes=getattr(task.train_data, "shard_sizes", None),
         )
         self.loader = make_loader(
             task.train_data, cuda=ctx.device.type == "cuda", batch_sampler=self.sampler
         )
-        steps = cfg.train.epochs * len(self.sampler)
+        steps = cfg.train.epochs * self.sampler.steps_per_epoch()
         self.total_steps = min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
         self.totals = RankTotals(rank=ctx.rank)
 
@@ -99,23 +100,26 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, targets = to_device(next(batches), self.ctx.device)
             data_s = time.perf_counter() - t0
-            local = rank_slice(0, global_samples, self.ctx.world_size, self.ctx.rank)
+            samples = split_counts(global_samples, self.ctx.world_size)[self.ctx.rank]
             result = self.strategy.train_step(
                 Batch(
                     inputs=inputs,
                     targets=targets,
-                    num_samples=local[1] - local[0],
+                    num_samples=samples,
                     global_samples=global_samples,
                 )
             )
+            # The step is applied: only now do its samples count as consumed.
+            self.sampler.commit(global_samples)
             step += 1
             record = {
                 "step": step,
                 "epoch": epoch,
                 "rank": self.ctx.rank,
-                "samples": local[1] - local[0],
+                "samples": samples,
                 "global_samples": global_samples,
-                "loss": result.loss.item(),
+                # A rank that only held a zero-weight stand-in sample has no loss of its own.
+                "loss": result.loss.item() if samples else None,
                 "step_s": time.perf_counter() - t0,
                 "compute_s": result.compute_s,
                 "comm_s": result.comm_s,
@@ -178,7 +182,7 @@ class Trainer:
                 "batch_size_per_worker": self.cfg.train.batch_size,
                 "global_batch_size": self.cfg.train.batch_size * self.ctx.world_size,
                 "epochs": self.cfg.train.epochs,
-                "steps_per_epoch": len(self.sampler),
+                "steps_per_epoch": self.sampler.steps_per_epoch(),
                 "config_hash": self.cfg.hash(),
                 "scaletrain_version": __version__,
                 "torch_version": torch.__version__,

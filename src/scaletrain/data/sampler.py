@@ -1,15 +1,22 @@
-"""Batch sampler that follows the global-step plan of ``partition.py``.
+"""Batch sampler over the global-step plan of ``partition.py``: resumable and elastic.
 
-It stands in for torch's DistributedSampler, which pads ranks to equal length by
-duplicating samples; here every sample of an epoch is used exactly once and ranks' counts in a
-step differ by at most one. It is a torch ``Sampler`` of index lists, so it plugs into a
-standard ``DataLoader(batch_sampler=...)``. Mid-epoch resume and elastic re-partitioning are
-the data-sharding issue's work; this sampler only knows whole epochs.
+It stands in for torch's DistributedSampler, which pads ranks to equal length by duplicating
+samples and cannot resume mid-epoch. Its state is (epoch, cursor): the cursor is the number of
+samples of the epoch's order already trained on, advanced by ``commit`` once the optimizer step
+that used them has been applied, never when they are merely loaded. Restoring the state with
+``load_state_dict`` resumes at exactly the next sample, under the same or another world size:
+the unconsumed rest of the epoch is split over whatever ranks there are now. It implements
+torch's ``Stateful`` protocol (state_dict / load_state_dict), so DCP can save it.
+
+It is a torch ``Sampler`` of index lists, for ``DataLoader(batch_sampler=...)``. The loader
+asks for the plan when an iteration starts, so a cursor restored before ``iter(loader)`` is
+honoured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -28,35 +35,77 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: int,
         shuffle: bool = True,
         drop_last: bool = False,
+        shard_sizes: Sequence[int] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if num_samples < 1:
+            raise ValueError("the training dataset is empty")
         self.num_samples = num_samples
         self.world_size = world_size
         self.rank = rank
+        self.global_batch = batch_size * world_size
         self.seed = seed
         self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.shard_sizes = list(shard_sizes) if shard_sizes else None
         self.epoch = 0
-        self.bounds = partition.step_bounds(
-            num_samples, batch_size * world_size, world_size, drop_last
-        )
+        self.cursor = 0
+        if not partition.step_bounds(num_samples, self.global_batch, drop_last):
+            raise ValueError(
+                f"drop_last with {num_samples} samples and a global batch of {self.global_batch} "
+                "leaves no step; lower the batch size or turn drop_last off"
+            )
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """Start ``epoch`` from its beginning, unless a restored state is already inside it."""
+        if epoch != self.epoch:
+            self.epoch, self.cursor = epoch, 0
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """The remaining global steps of this epoch, as [start, end) positions in its order."""
+        return partition.step_bounds(
+            self.num_samples, self.global_batch, self.drop_last, self.cursor
+        )
 
     def __len__(self) -> int:
-        return len(self.bounds)
+        return len(self.bounds())
+
+    def steps_per_epoch(self) -> int:
+        return len(partition.step_bounds(self.num_samples, self.global_batch, self.drop_last))
 
     def global_counts(self) -> list[int]:
-        """Samples in each global step, over all ranks (the weights' denominators)."""
-        return [end - start for start, end in self.bounds]
+        """Samples in each remaining global step, over all ranks (the weights' denominators)."""
+        return [end - start for start, end in self.bounds()]
+
+    def order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        return partition.epoch_order(self.num_samples, self.seed, self.epoch, self.shard_sizes)
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = (
-            partition.epoch_permutation(self.num_samples, self.seed, self.epoch)
-            if self.shuffle
-            else np.arange(self.num_samples)
-        )
-        for start, end in self.bounds:
-            lo, hi = partition.rank_slice(start, end, self.world_size, self.rank)
-            yield [int(i) for i in order[lo:hi]]
+        order = self.order()
+        for start, end in self.bounds():
+            yield partition.rank_indices(order, start, end, self.world_size, self.rank)
+
+    def commit(self, global_samples: int) -> None:
+        """The step that trained on the next ``global_samples`` samples has been applied."""
+        self.cursor += global_samples
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seed", "num_samples"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler state is for {key}={state[key]}, this run has {getattr(self, key)}"
+                )
+        if not 0 <= state["cursor"] <= self.num_samples:
+            raise ValueError(f"sampler state has cursor {state['cursor']} outside the epoch")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

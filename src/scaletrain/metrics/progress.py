@@ -92,7 +92,7 @@ class ProgressView:
         last = self.window[-1]
         fields = {
             "epoch": last["epoch"] + 1,
-            "loss": f"{last['loss']:.4f}",
+            "loss": "-" if last["loss"] is None else f"{last['loss']:.4f}",
             "rate": f"{self.rate():,.0f}",
             "comm": f"{self.comm_share():.0%}",
         }

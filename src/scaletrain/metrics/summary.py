@@ -52,8 +52,9 @@ class RankTotals:
         for key in TIME_KEYS:
             setattr(self, key, getattr(self, key) + record[key])
         self.comm_bytes += record["comm_bytes"]
-        self.last_loss = record["loss"]
         self.last_samples = record["samples"]
+        if record["samples"]:
+            self.last_loss = record["loss"]
 
 
 def build_summary(
@@ -69,7 +70,8 @@ def build_summary(
     steps = ranks[0].steps
     samples = sum(r.samples for r in ranks)
     last_n = sum(r.last_samples for r in ranks)
-    final_loss = sum(r.last_loss * r.last_samples for r in ranks) / last_n if last_n else None
+    weighted = sum(r.last_loss * r.last_samples for r in ranks if r.last_samples)
+    final_loss = weighted / last_n if last_n else None
     breakdown = {key: sum(getattr(r, key) for r in ranks) / world for key in TIME_KEYS}
     breakdown["checkpoint_s"] = checkpoint_s
     step_s = sum(r.step_s for r in ranks) / world
