@@ -1,4 +1,4 @@
-"""Command line: ``scaletrain run | demo``. Thin: parses, builds a RunConfig, calls the API.
+"""Command line: ``scaletrain run | demo | shard``. Thin: parses, calls the API.
 
 Every RunConfig leaf is a flag of the same name (train.batch_size -> --batch-size); flags
 override --config FILE, which overrides the defaults. Exit codes: 0 success, 1 a worker
@@ -22,27 +22,25 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "batch_size": 32,
     "lr": 0.05,
 }
+FLAG_ALIASES = {"data_dir": ["--data"]}  # the short name users reach for first
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML run configuration")
     types = {"int": int, "float": float, "str": str}
     for name, (section, f) in leaf_fields().items():
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, [])]
         where = f"[{section}] {name}" if section else name
-        help_text = f"{f.metadata.get('help', '')} ({where}, default {f.default!r})"
+        options: dict[str, Any] = {
+            "dest": name,
+            "default": argparse.SUPPRESS,
+            "help": f"{f.metadata.get('help', '')} ({where}, default {f.default!r})",
+        }
         if f.type == "bool":
-            parser.add_argument(
-                flag,
-                dest=name,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
+            options["action"] = argparse.BooleanOptionalAction
         else:
-            parser.add_argument(
-                flag, dest=name, type=types[str(f.type)], default=argparse.SUPPRESS, help=help_text
-            )
+            options["type"] = types[str(f.type)]
+        parser.add_argument(*flags, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,31 +48,67 @@ def build_parser() -> argparse.ArgumentParser:
         prog="scaletrain", description="Train PyTorch models across processes and hosts."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="train with the given configuration")
-    add_config_flags(run)
-    demo = sub.add_parser("demo", help="2 local workers train the built-in CNN on digits")
-    add_config_flags(demo)
+    add_config_flags(sub.add_parser("run", help="train with the given configuration"))
+    add_config_flags(sub.add_parser("demo", help="2 local workers train the CNN on digits"))
+    shard = sub.add_parser("shard", help="convert a dataset into shards for --data")
+    shard.add_argument("src", help="digits | synthetic | a folder of class folders | .npz")
+    shard.add_argument("out", help="shard directory to create")
+    shard.add_argument("--shard-size", type=int, default=10_000, help="samples per shard")
+    shard.add_argument("--num-samples", type=int, default=0, help="built-ins: training samples")
+    shard.add_argument("--image-size", type=int, default=0, help="resize images to NxN")
     return parser
 
 
-def resolve_config(args: argparse.Namespace, base: dict[str, Any]) -> RunConfig:
-    cfg = load_toml(args.config) if args.config else with_overrides(RunConfig(), base)
-    overrides = {k: v for k, v in vars(args).items() if k in leaf_fields()}
-    return with_overrides(cfg, overrides)
-
-
-def cmd_run(args: argparse.Namespace, base: dict[str, Any]) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from scaletrain.launch import run
     from scaletrain.metrics.progress import render_summary
 
-    cfg = resolve_config(args, base)
+    base: dict[str, Any] = {}
+    if args.command == "demo":
+        base = dict(DEMO_DEFAULTS, out=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = load_toml(args.config) if args.config else with_overrides(RunConfig(), base)
+    cfg = with_overrides(cfg, {k: v for k, v in vars(args).items() if k in leaf_fields()})
     summary = run(cfg)
     if "strategy" in summary:
         render_summary(summary, Console())
     else:
         print(f"done; rank 0 ran on another node. Run directory: {summary['run_dir']}")
+    return 0
+
+
+def cmd_shard(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from scaletrain.data.shards import write_shards
+    from scaletrain.data.sources import build_source
+
+    start = time.perf_counter()
+    source = build_source(args.src, num_samples=args.num_samples, image_size=args.image_size)
+    out = Path(args.out)
+    manifest = write_shards(
+        out,
+        source.splits,
+        num_classes=source.num_classes,
+        class_names=source.class_names,
+        shard_size=args.shard_size,
+        source=source.description,
+    )
+    files = [
+        f
+        for entries in manifest["splits"].values()
+        for e in entries
+        for f in (e["images"], e["labels"])
+    ]
+    size = sum((out / f).stat().st_size for f in files)
+    for split, entries in manifest["splits"].items():
+        print(
+            f"{split}: {sum(e['num_samples'] for e in entries):,} samples in {len(entries)} shards"
+        )
+    print(
+        f"wrote {size / 1e9:.3f} GB ({size / 1e6:.1f} MB) to {out} in {time.perf_counter() - start:.1f} s"
+    )
     return 0
 
 
@@ -84,15 +118,10 @@ def fail(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    base = (
-        dict(DEMO_DEFAULTS, out=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-        if args.command == "demo"
-        else {}
-    )
-    try:
-        from scaletrain.launch import LaunchFailed, WorkerFailed
+    from scaletrain.launch import LaunchFailed, WorkerFailed
 
-        return cmd_run(args, base)
+    try:
+        return cmd_shard(args) if args.command == "shard" else cmd_run(args)
     except ValueError as e:
         fail(f"error: {e}")
         return 2

@@ -122,6 +122,13 @@ class DataSection:
     """What to train on: a built-in dataset, or a user task that brings its own."""
 
     dataset: str = field(default="digits", metadata={"help": "built-in dataset"})
+    data_dir: str = field(
+        default="",
+        metadata={"help": "shard directory written by `scaletrain shard` (replaces dataset)"},
+    )
+    verify: bool = field(
+        default=False, metadata={"help": "check every shard's sha256 before training"}
+    )
     num_samples: int = field(
         default=0, metadata={"help": "training samples to use (0: the dataset's default)"}
     )

@@ -59,8 +59,20 @@ def check_names(cfg: RunConfig) -> None:
         if target.endswith(".py") and not Path(target).is_file():
             raise ValueError(f"task: file {target} does not exist")
     else:
-        lookup(DATASETS, cfg.data.dataset, "dataset")
         lookup(MODELS, cfg.model.model, "model")
+        if cfg.data.data_dir:
+            check_shards(Path(cfg.data.data_dir), verify=cfg.data.verify)
+        else:
+            lookup(DATASETS, cfg.data.dataset, "dataset")
+
+
+def check_shards(root: Path, *, verify: bool) -> None:
+    """Open every split once here, so a missing, truncated or corrupted shard stops the run
+    before anything is written, and the (slow) sha256 check runs once, not once per worker."""
+    from scaletrain.data.shards import open_split, read_manifest
+
+    for split in read_manifest(root)["splits"]:
+        open_split(root, split, verify=verify)
 
 
 def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:

@@ -67,12 +67,21 @@ def build_optimizer(
 
 
 def build_builtin_task(cfg: RunConfig) -> Task:
-    from scaletrain.data.datasets import build_dataset
+    from scaletrain.data.datasets import ImageDataset, build_dataset
     from scaletrain.models import build_model
 
-    options = {"num_samples": cfg.data.num_samples, "image_size": cfg.data.image_size}
-    train = build_dataset(cfg.data.dataset, "train", **options)
-    test = build_dataset(cfg.data.dataset, "test", **options)
+    train: ImageDataset
+    test: ImageDataset | None
+    if cfg.data.data_dir:
+        from scaletrain.data.shards import ShardedDataset, read_manifest
+
+        train = ShardedDataset(cfg.data.data_dir, "train")
+        has_test = "test" in read_manifest(Path(cfg.data.data_dir))["splits"]
+        test = ShardedDataset(cfg.data.data_dir, "test") if has_test else None
+    else:
+        options = {"num_samples": cfg.data.num_samples, "image_size": cfg.data.image_size}
+        train = build_dataset(cfg.data.dataset, "train", **options)
+        test = build_dataset(cfg.data.dataset, "test", **options)
     model = build_model(cfg.model.model, train.input_shape, train.num_classes, cfg.model.width)
     return Task(model=model, train_data=train, test_data=test)
 

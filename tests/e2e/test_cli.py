@@ -213,3 +213,28 @@ def test_two_nodes_rendezvous_like_torchrun(tmp_path):
     assert written[0]["world_size"] == 2 and written[0]["steps"] == 10
     for n in (0, 1):
         assert_no_orphans(tmp_path / f"node{n}")
+
+
+def test_shard_then_train_from_shards_and_refuse_a_corrupted_one(tmp_path):
+    shards = tmp_path / "shards"
+    result = run_cli("shard", "digits", str(shards), "--shard-size", "300", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "train: 1,437 samples in 5 shards" in result.stdout
+    out = tmp_path / "run"
+    result = run_cli("run", "--data", str(shards), "--nproc-per-node", "2", "--epochs", "8",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert read_summary(out)["test_accuracy"] >= 0.95
+
+    bad = shards / "train" / "shard-00002.images.npy"
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    out2 = tmp_path / "run2"
+    result = run_cli("run", "--data", str(shards), "--verify", "--out", str(out2), timeout=60)
+    assert result.returncode == 2
+    assert f"shard file {bad} is corrupted" in result.stderr
+    assert not out2.exists()  # nothing written for a run that never started
+    bad.write_bytes(bytes(data[:-5000]))
+    result = run_cli("run", "--data", str(shards), "--out", str(out2), timeout=60)
+    assert result.returncode == 2 and "is truncated" in result.stderr
