@@ -106,9 +106,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
         print(
             f"{split}: {sum(e['num_samples'] for e in entries):,} samples in {len(entries)} shards"
         )
-    print(
-        f"wrote {size / 1e9:.3f} GB ({size / 1e6:.1f} MB) to {out} in {time.perf_counter() - start:.1f} s"
-    )
+    seconds = time.perf_counter() - start
+    print(f"wrote {size / 1e9:.3f} GB ({size / 1e6:.1f} MB) to {out} in {seconds:.1f} s")
     return 0
 
 
