@@ -173,12 +173,34 @@ class OptimSection:
         _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
 
 
+@dataclass(kw_only=True)
+class FaultSection:
+    """Checkpoints and fault injection."""
+
+    checkpoint_every: int = field(
+        default=0, metadata={"help": "save a checkpoint every N steps (0: never)"}
+    )
+    keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept on disk"})
+    inject: str = field(default="", metadata={"help": "faults to inject, e.g. kill:rank=1:step=7"})
+    log_sample_ids: bool = field(
+        default=False, metadata={"help": "record each step's sample ids in metrics.jsonl"}
+    )
+
+    def __post_init__(self) -> None:
+        from scaletrain.fault.inject import parse_inject
+
+        _require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        _require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        parse_inject(self.inject)
+
+
 SECTIONS: dict[str, type] = {
     "launch": LaunchSection,
     "train": TrainSection,
     "data": DataSection,
     "model": ModelSection,
     "optim": OptimSection,
+    "fault": FaultSection,
 }
 
 
@@ -190,6 +212,7 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimSection = field(default_factory=OptimSection)
+    fault: FaultSection = field(default_factory=FaultSection)
 
     @property
     def world_size_hint(self) -> int:

@@ -3,7 +3,9 @@
 It never asks which strategy is active. Per step it measures data time itself and takes
 compute/comm/wait from the strategy's StepResult; after the last step it evaluates on the
 test split (every rank a balanced slice, counts summed), gathers per-rank totals to rank 0,
-and rank 0 writes summary.json and checkpoints/final.pt.
+and rank 0 writes summary.json and checkpoints/final.pt. With --checkpoint-every N, rank 0
+saves a checkpoint after every N-th applied step, and a restarted worker group resumes from
+the newest valid one (fault/recovery.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from scaletrain.config import RunConfig
 from scaletrain.data.datasets import ImageDataset, collate_batch
 from scaletrain.data.partition import rank_slice, split_counts
 from scaletrain.data.sampler import GlobalBatchSampler
-from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
+from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json, save_checkpoint
+from scaletrain.fault.inject import parse_inject
+from scaletrain.fault.recovery import Progress, checkpoint_state, resume
 from scaletrain.metrics.sinks import JsonlSink
 from scaletrain.metrics.summary import RankTotals, build_summary, params_sha256
 from scaletrain.runtime import DistContext
@@ -71,19 +75,34 @@ class Trainer:
         self.loader = make_loader(
             task.train_data, cuda=ctx.device.type == "cuda", batch_sampler=self.sampler
         )
-        steps = cfg.train.epochs * self.sampler.steps_per_epoch()
-        self.total_steps = min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
         self.totals = RankTotals(rank=ctx.rank)
+        self.progress = Progress()
+        self.injectors = parse_inject(cfg.fault.inject)
+        self.checkpoint_s = 0.0
 
     def fit(self) -> dict[str, Any] | None:
+        resumed = resume(
+            self.run_dir / "checkpoints",
+            self.strategy,
+            self.sampler,
+            config_hash=self.cfg.hash(),
+            attempt=self.ctx.restart_count,
+            metrics=self.run_dir / "metrics.jsonl",
+        )
+        self.progress = resumed or self.progress
+        self.total_steps = self._total_steps()
+        log.info(
+            "training to step %d on %s with %s, world size %d",
+            self.total_steps, self.ctx.device, self.ctx.backend, self.ctx.world_size,
+        )  # fmt: skip
         sink = JsonlSink(self.run_dir / "metrics.jsonl")
-        step = 0
         start = time.perf_counter()
         try:
-            for epoch in range(self.cfg.train.epochs):
+            for epoch in range(self.progress.epoch, self.cfg.train.epochs):
+                self.progress.epoch = epoch
                 self.sampler.set_epoch(epoch)
-                step = self._run_epoch(epoch, step, start, sink)
-                if step >= self.total_steps:
+                self._run_epoch(start, sink)
+                if self.progress.step >= self.total_steps:
                     break
         finally:
             sink.close()
@@ -91,15 +110,27 @@ class Trainer:
         accuracy = self.evaluate()
         return self._finish(wall_s, accuracy)
 
-    def _run_epoch(self, epoch: int, step: int, start: float, sink: JsonlSink) -> int:
-        global_counts = self.sampler.global_counts()
+    def _total_steps(self) -> int:
+        """Steps this run ends at: the rest of the current epoch under this world size, then
+        whole epochs, capped by --max-steps."""
+        self.sampler.set_epoch(self.progress.epoch)
+        later = self.cfg.train.epochs - self.progress.epoch - 1
+        steps = self.progress.step + len(self.sampler) + later * self.sampler.steps_per_epoch()
+        return min(steps, self.cfg.train.max_steps) if self.cfg.train.max_steps else steps
+
+    def _run_epoch(self, start: float, sink: JsonlSink) -> None:
+        bounds = self.sampler.bounds()
+        order = self.sampler.order() if self.cfg.fault.log_sample_ids else None
         batches = iter(self.loader)
-        for global_samples in global_counts:
-            if step >= self.total_steps:
+        for step_start, step_end in bounds:
+            if self.progress.step >= self.total_steps:
                 break
+            for injector in self.injectors:
+                injector.before_step(self.progress.step + 1, self.ctx.rank, self.ctx.restart_count)
             t0 = time.perf_counter()
             inputs, targets = to_device(next(batches), self.ctx.device)
             data_s = time.perf_counter() - t0
+            global_samples = step_end - step_start
             samples = split_counts(global_samples, self.ctx.world_size)[self.ctx.rank]
             result = self.strategy.train_step(
                 Batch(
@@ -111,11 +142,14 @@ class Trainer:
             )
             # The step is applied: only now do its samples count as consumed.
             self.sampler.commit(global_samples)
-            step += 1
+            self.progress.step += 1
+            self.progress.samples_trained += global_samples
+            self._maybe_checkpoint()
             record = {
-                "step": step,
-                "epoch": epoch,
+                "step": self.progress.step,
+                "epoch": self.progress.epoch,
                 "rank": self.ctx.rank,
+                "attempt": self.ctx.restart_count,
                 "samples": samples,
                 "global_samples": global_samples,
                 # A rank that only held a zero-weight stand-in sample has no loss of its own.
@@ -130,9 +164,22 @@ class Trainer:
                 "total_steps": self.total_steps,
                 **result.extras,
             }
+            if order is not None:
+                lo, hi = rank_slice(step_start, step_end, self.ctx.world_size, self.ctx.rank)
+                record["sample_ids"] = order[lo:hi].tolist()
             sink.write(record)
             self.totals.add(record)
-        return step
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.cfg.fault.checkpoint_every
+        if not every or self.progress.step % every or not self.ctx.is_main:
+            return
+        started = time.perf_counter()
+        state = checkpoint_state(self.strategy, self.sampler, self.progress, self.cfg.hash())
+        save_checkpoint(
+            self.run_dir / "checkpoints", self.progress.step, state, self.cfg.fault.keep_checkpoints
+        )
+        self.checkpoint_s += time.perf_counter() - started
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -168,11 +215,12 @@ class Trainer:
             self.run_dir / "checkpoints" / "final.pt",
             {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
         )
-        checkpoint_s = time.perf_counter() - started
+        checkpoint_s = self.checkpoint_s + time.perf_counter() - started
         summary = build_summary(
             [r for r in gathered if r is not None],
             wall_s=wall_s,
             checkpoint_s=checkpoint_s,
+            progress=self.progress,
             test_accuracy=accuracy,
             params_hash=params_sha256(model),
             info={

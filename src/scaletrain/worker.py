@@ -52,7 +52,6 @@ def main(argv: list[str]) -> None:
     try:
         trainer = Trainer(cfg, ctx, build_task(cfg), run_dir)
         _KEEP_ALIVE.append(trainer)
-        log.info("training %d steps on %s with %s", trainer.total_steps, ctx.device, ctx.backend)
         summary = trainer.fit()
         if summary is not None:
             log.info(

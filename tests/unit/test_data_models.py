@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from scaletrain.data.datasets import build_dataset
+from scaletrain.fault.recovery import Progress
 from scaletrain.metrics.summary import RankTotals, build_summary, params_sha256
 from scaletrain.models import build_model
 
@@ -88,10 +89,10 @@ def test_summary_weights_final_loss_by_samples():
     }
     ranks[0].add({**base, "samples": 3, "loss": 1.0})
     ranks[1].add({**base, "samples": 1, "loss": 3.0})
-    s = build_summary(
-        ranks, wall_s=2.0, checkpoint_s=0.0, test_accuracy=None, params_hash="x", info={}
-    )
+    progress = Progress(step=1, samples_trained=4)
+    s = build_summary(ranks, wall_s=2.0, checkpoint_s=0.0, progress=progress,
+                      test_accuracy=None, params_hash="x", info={})  # fmt: skip
     assert s["final_loss"] == pytest.approx(1.5)
-    assert s["samples"] == 4 and s["samples_per_s"] == 2.0
+    assert s["samples"] == 4 and s["samples_per_s"] == 2.0 and s["steps"] == 1
     assert s["time_breakdown"]["comm_s"] == pytest.approx(0.2)
     assert s["comm_share"] == pytest.approx(0.2)

@@ -1,12 +1,15 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of either.
+"""Atomic files and checkpoints: a reader sees the old file or the new one, never half.
 
-Write to a temporary file in the same directory, fsync it, rename over the target, fsync the
-directory so the rename itself survives a crash. Checkpoint contents and recovery are the
-fault-tolerance issue's; this is the write primitive they build on.
+Writes go to a temporary file in the same directory, are fsynced, renamed over the target,
+and the directory is fsynced so the rename itself survives a crash. Checkpoints are
+``step-<N>.pt`` files listed with their sha256 in ``index.json``; loading takes the newest one
+whose bytes still match, with ``weights_only=True``. What goes into a checkpoint is the
+trainer's business (trainer.py); sharded state through DCP is the fault-tolerance issue's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -45,3 +48,52 @@ def atomic_torch_save(path: Path, obj: Any) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     atomic_write_bytes(path, buffer.getvalue())
+
+
+CHECKPOINT_INDEX = "index.json"
+
+
+def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write ``state`` as step-<step>.pt and record it, with its sha256, in index.json.
+
+    The index is rewritten atomically after the checkpoint file is in place, so it only ever
+    names complete files; it keeps the newest ``keep`` entries and older files are removed.
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    path = directory / f"step-{step:08d}.pt"
+    atomic_write_bytes(path, data)
+    entries = [e for e in read_index(directory) if e["step"] != step]
+    entries.append({"step": step, "file": path.name, "sha256": hashlib.sha256(data).hexdigest()})
+    entries.sort(key=lambda e: e["step"])
+    kept, dropped = entries[-keep:], entries[:-keep]
+    atomic_write_json(directory / CHECKPOINT_INDEX, kept)
+    for entry in dropped:
+        (directory / entry["file"]).unlink(missing_ok=True)
+    return path
+
+
+def read_index(directory: Path) -> list[dict[str, Any]]:
+    try:
+        return list(json.loads((directory / CHECKPOINT_INDEX).read_text()))
+    except FileNotFoundError:
+        return []
+
+
+def load_latest(directory: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """The newest checkpoint whose bytes match its recorded sha256, loaded with
+    weights_only=True, and a note for every newer one that was skipped as damaged."""
+    skipped = []
+    for entry in reversed(read_index(directory)):
+        path = directory / entry["file"]
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            skipped.append(f"{path}: unreadable ({e.strerror})")
+            continue
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            skipped.append(f"{path}: sha256 differs from {CHECKPOINT_INDEX}")
+            continue
+        return torch.load(io.BytesIO(data), weights_only=True), skipped
+    return None, skipped

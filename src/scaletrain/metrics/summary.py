@@ -3,8 +3,10 @@
 summary.json (written by rank 0 at the end) holds the DESIGN.md contract: strategy,
 world_size, steps, samples, wall_s, samples_per_s, final_loss, test_accuracy,
 time_breakdown {compute_s, comm_s, wait_s, data_s, checkpoint_s}, recoveries and
-params_sha256, plus the extras documented in README.md. Time totals in time_breakdown are the
-mean over ranks of each rank's sum over its steps; per_rank lists every rank's own totals.
+params_sha256, plus the extras documented in README.md. ``steps`` and ``samples`` count the
+whole run; times, wall_s and samples_per_s the last attempt (after a restart, the one that
+finished). Time totals in time_breakdown are the mean over ranks of each rank's sum over its
+steps; per_rank lists every rank's own totals.
 """
 
 from __future__ import annotations
@@ -62,13 +64,15 @@ def build_summary(
     *,
     wall_s: float,
     checkpoint_s: float,
+    progress: Any,
     test_accuracy: float | None,
     params_hash: str,
     info: dict[str, Any],
 ) -> dict[str, Any]:
     world = len(ranks)
-    steps = ranks[0].steps
-    samples = sum(r.samples for r in ranks)
+    steps = progress.step
+    samples = progress.samples_trained
+    attempt_samples = sum(r.samples for r in ranks)
     last_n = sum(r.last_samples for r in ranks)
     weighted = sum(r.last_loss * r.last_samples for r in ranks if r.last_samples)
     final_loss = weighted / last_n if last_n else None
@@ -81,14 +85,14 @@ def build_summary(
         "steps": steps,
         "samples": samples,
         "wall_s": wall_s,
-        "samples_per_s": samples / wall_s if wall_s > 0 else None,
+        "samples_per_s": attempt_samples / wall_s if wall_s > 0 else None,
         "final_loss": final_loss,
         "test_accuracy": test_accuracy,
         "time_breakdown": breakdown,
         "comm_share": breakdown["comm_s"] / step_s if step_s > 0 else 0.0,
         "wait_share": breakdown["wait_s"] / step_s if step_s > 0 else 0.0,
-        "comm_bytes_per_step": sum(r.comm_bytes for r in ranks) / world / max(steps, 1),
-        "recoveries": [],
+        "comm_bytes_per_step": sum(r.comm_bytes for r in ranks) / world / max(ranks[0].steps, 1),
+        "recoveries": progress.recoveries,
         "params_sha256": params_hash,
         "per_rank": [asdict(r) for r in ranks],
     }

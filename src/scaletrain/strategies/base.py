@@ -65,3 +65,11 @@ class Strategy(ABC):
     @abstractmethod
     def model(self) -> nn.Module:
         """The user's plain module with current weights (for evaluation, hashing, saving)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to continue training (weights, optimizer state)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned, on every rank."""

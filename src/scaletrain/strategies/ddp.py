@@ -57,6 +57,13 @@ class DDPStrategy(Strategy):
     def model(self) -> nn.Module:
         return self.ddp.module
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.ddp.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ddp.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def _sync_device(self) -> None:
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
