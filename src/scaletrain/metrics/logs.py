@@ -8,6 +8,7 @@ would instead nest files under <run_id>/attempt_<n>/<local_rank>/ and truncate p
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,9 +62,32 @@ def _reason(failure: Any) -> str:
     return f"exited with code {failure.exitcode} without a Python exception"
 
 
+# What a rank reports when a *peer* died: symptoms, not causes.
+COLLATERAL = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "connectFullMesh",
+    "killed by SIGTERM",
+)
+
+
+def _root_cause_order(failure: Any) -> tuple[bool, int]:
+    """Sort key: causes before symptoms, then the earliest. The agent's own timestamps have
+    one-second resolution, so the error file's modification time (written by @record as the
+    exception leaves the worker) orders exceptions within a second."""
+    collateral = any(pattern in _reason(failure) for pattern in COLLATERAL)
+    try:
+        when = os.stat(failure.error_file).st_mtime_ns
+    except (OSError, TypeError):
+        when = int(failure.timestamp * 1e9)
+    return collateral, when
+
+
 def describe_failure(failures: Mapping[int, Any], run_dir: Path) -> str:
-    """One paragraph: the first rank to fail, why, its last log lines, where the rest is."""
-    first = min(failures, key=lambda r: failures[r].timestamp)
+    """One paragraph: the rank whose failure caused the others', why, its last log lines,
+    where the rest is."""
+    first = min(failures, key=lambda r: _root_cause_order(failures[r]))
     failure = failures[first]
     log_path = run_dir / "logs" / f"rank{first}.log"
     others = sorted(r for r in failures if r != first)
