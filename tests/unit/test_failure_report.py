@@ -38,3 +38,12 @@ def test_earliest_cause_wins_among_causes(tmp_path):
         1: failure(tmp_path, 1, "ValueError: first", 1_000),
     }
     assert describe_failure(failures, tmp_path).startswith("rank 1 failed")
+
+
+def test_a_rank_stopped_by_the_agent_is_a_victim(tmp_path):
+    (tmp_path / "logs").mkdir()
+    stopped = ProcessFailure(local_rank=0, pid=100, exitcode=-15, error_file="<N/A>")
+    cause = failure(tmp_path, 1, "RuntimeError: user model exploded", 10**20)
+    text = describe_failure({0: stopped, 1: cause}, tmp_path)
+    assert text.startswith("rank 1 failed (exit code 1): RuntimeError: user model exploded.")
+    assert "rank 0: killed by SIGTERM" in text

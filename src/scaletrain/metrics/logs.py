@@ -51,7 +51,7 @@ def _reason(failure: Any) -> str:
     message = failure.error_file_data.get("message") if failure.error_file_data else None
     if isinstance(message, dict):
         message = message.get("message")
-    if isinstance(message, str) and message:
+    if isinstance(message, str) and message and message != "<NONE>":  # torch's "no file"
         return message.strip().splitlines()[-1]
     if failure.exitcode < 0:
         try:
