@@ -128,3 +128,17 @@ def test_numpy_source_channels_last_floats(tmp_path):
 def test_unknown_source(tmp_path):
     with pytest.raises(ValueError, match="neither a built-in dataset"):
         build_source(str(tmp_path / "nothing"))
+
+
+def test_numpy_source_npy_pair_grayscale(tmp_path):
+    src = tmp_path / "arrays"
+    src.mkdir()
+    x = np.random.default_rng(2).integers(0, 256, (9, 5, 5), dtype=np.uint8)
+    np.save(src / "images.npy", x)
+    np.save(src / "labels.npy", np.arange(9) % 2)
+    source = build_source(str(src))
+    write_shards(tmp_path / "out", source.splits, num_classes=source.num_classes, shard_size=4,
+                 source="npy")  # fmt: skip
+    ds = ShardedDataset(tmp_path / "out")
+    assert ds.input_shape == (1, 5, 5) and ds.shard_sizes == [4, 4, 1]
+    assert torch.equal((ds.__getitems__([8])[0][0, 0] * 255).round().byte(), torch.from_numpy(x[8]))
