@@ -214,11 +214,6 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     fault: FaultSection = field(default_factory=FaultSection)
 
-    @property
-    def world_size_hint(self) -> int:
-        """World size when every node has joined (the maximum under elastic sizes)."""
-        return parse_nnodes(self.launch.nnodes)[1] * self.launch.nproc_per_node
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

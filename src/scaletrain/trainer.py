@@ -112,8 +112,8 @@ class Trainer:
 
     def _total_steps(self) -> int:
         """Steps this run ends at: the rest of the current epoch under this world size, then
-        whole epochs, capped by --max-steps."""
-        self.sampler.set_epoch(self.progress.epoch)
+        whole epochs, capped by --max-steps. The sampler is already at progress.epoch: both
+        start at 0, and a checkpoint restores them together."""
         later = self.cfg.train.epochs - self.progress.epoch - 1
         steps = self.progress.step + len(self.sampler) + later * self.sampler.steps_per_epoch()
         return min(steps, self.cfg.train.max_steps) if self.cfg.train.max_steps else steps
