@@ -194,6 +194,38 @@ class FaultSection:
         parse_inject(self.inject)
 
 
+@dataclass(kw_only=True)
+class CommSection:
+    """How workers communicate: gradient compression, bucketing, and for local_sgd / diloco
+    how often they synchronize at all."""
+
+    compression: str = field(
+        default="none",
+        metadata={"help": "gradient compressor NAME[:key=value...] (ddp), e.g. powersgd:rank=4"},
+    )
+    bucket_mb: float = field(default=25.0, metadata={"help": "DDP gradient bucket size, MB"})
+    sync_every: int = field(
+        default=8, metadata={"help": "local_sgd / diloco: local steps between synchronizations"}
+    )
+    outer_lr: float = field(default=0.7, metadata={"help": "diloco: outer Nesterov SGD lr"})
+    outer_momentum: float = field(
+        default=0.9, metadata={"help": "diloco: outer Nesterov SGD momentum"}
+    )
+
+    def __post_init__(self) -> None:
+        from scaletrain.compression.spec import parse_compression
+
+        parse_compression(self.compression)
+        _require(self.bucket_mb > 0, "bucket_mb", f"must be > 0, got {self.bucket_mb}")
+        _require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
+        _require(self.outer_lr > 0, "outer_lr", f"must be > 0, got {self.outer_lr}")
+        _require(
+            0 <= self.outer_momentum < 1,
+            "outer_momentum",
+            f"must be in [0, 1), got {self.outer_momentum}",
+        )
+
+
 SECTIONS: dict[str, type] = {
     "launch": LaunchSection,
     "train": TrainSection,
@@ -201,6 +233,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelSection,
     "optim": OptimSection,
     "fault": FaultSection,
+    "comm": CommSection,
 }
 
 
@@ -213,6 +246,7 @@ class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     optim: OptimSection = field(default_factory=OptimSection)
     fault: FaultSection = field(default_factory=FaultSection)
+    comm: CommSection = field(default_factory=CommSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

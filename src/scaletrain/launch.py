@@ -52,7 +52,13 @@ def check_names(cfg: RunConfig) -> None:
     from scaletrain.strategies import STRATEGIES
     from scaletrain.task import OPTIMIZERS
 
-    lookup(STRATEGIES, cfg.train.strategy, "strategy", "strategies")
+    strategy = lookup(STRATEGIES, cfg.train.strategy, "strategy", "strategies")
+    if cfg.comm.compression != "none" and not strategy.supports_compression:
+        with_hooks = ", ".join(sorted(n for n, s in STRATEGIES.items() if s.supports_compression))
+        raise ValueError(
+            f"compression: strategy {cfg.train.strategy!r} does not use gradient hooks; "
+            f"--compression applies to: {with_hooks}"
+        )
     lookup(OPTIMIZERS, cfg.optim.optimizer, "optimizer")
     if cfg.data.task:
         target = cfg.data.task.rpartition(":")[0]

@@ -29,6 +29,7 @@ from scaletrain.fault.inject import parse_inject
 from scaletrain.fault.recovery import Progress, checkpoint_state, resume
 from scaletrain.metrics.sinks import JsonlSink
 from scaletrain.metrics.summary import RankTotals, build_summary, params_sha256
+from scaletrain.metrics.timers import overlap_ratio
 from scaletrain.runtime import DistContext
 from scaletrain.strategies import Batch, build_strategy
 from scaletrain.task import Task, build_optimizer
@@ -106,6 +107,7 @@ class Trainer:
                     break
         finally:
             sink.close()
+        self.strategy.finish()
         wall_s = time.perf_counter() - start
         accuracy = self.evaluate()
         return self._finish(wall_s, accuracy)
@@ -159,7 +161,13 @@ class Trainer:
                 "comm_s": result.comm_s,
                 "wait_s": result.wait_s,
                 "data_s": data_s,
+                "overlap": overlap_ratio(
+                    result.compute_s, result.comm_s, result.compute_s + result.wait_s
+                ),
                 "comm_bytes": result.comm_bytes,
+                "dense_bytes": (
+                    result.comm_bytes if result.dense_bytes is None else result.dense_bytes
+                ),
                 "time_s": time.perf_counter() - start,
                 "total_steps": self.total_steps,
                 **result.extras,

@@ -86,6 +86,7 @@ def test_summary_weights_final_loss_by_samples():
         "wait_s": 0.1,
         "data_s": 0.1,
         "comm_bytes": 8,
+        "dense_bytes": 8,
     }
     ranks[0].add({**base, "samples": 3, "loss": 1.0})
     ranks[1].add({**base, "samples": 1, "loss": 3.0})

@@ -39,7 +39,8 @@ class ProgressView:
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("{task.fields[rate]} samples/s"),
-            TextColumn("comm {task.fields[comm]}"),
+            TextColumn("comm {task.fields[comm]} overlap {task.fields[overlap]}"),
+            TextColumn("{task.fields[mb]} MB/step"),
             TimeElapsedColumn(),
             console=console,
             auto_refresh=False,  # redraw only when a poll brings news, at most twice a second
@@ -95,6 +96,8 @@ class ProgressView:
             "loss": "-" if last["loss"] is None else f"{last['loss']:.4f}",
             "rate": f"{self.rate():,.0f}",
             "comm": f"{self.comm_share():.0%}",
+            "overlap": f"{self.mean('overlap'):.0%}",
+            "mb": f"{self.mean('comm_bytes') / 1e6:.2f}",
         }
         if not self.live:
             self._print_line(last, fields)
@@ -111,7 +114,8 @@ class ProgressView:
         self._next_line_step = last["step"] + max(1, total // 10)
         self._console.print(
             f"step {last['step']}/{total} epoch {fields['epoch']} loss {fields['loss']} "
-            f"{fields['rate']} samples/s comm {fields['comm']}",
+            f"{fields['rate']} samples/s comm {fields['comm']} overlap {fields['overlap']} "
+            f"{fields['mb']} MB/step",
             highlight=False,
         )
 
@@ -123,6 +127,10 @@ class ProgressView:
         span = self.window[-1]["time_s"] - self.window[0]["time_s"]
         samples = sum(r["global_samples"] for r in list(self.window)[1:])
         return samples / span if span > 0 else 0.0
+
+    def mean(self, key: str) -> float:
+        values = [r.get(key) or 0.0 for r in self.window]
+        return sum(values) / len(values) if values else 0.0
 
     def comm_share(self) -> float:
         step = sum(r["step_s"] for r in self.window)
@@ -165,8 +173,13 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
         (
             "communication",
             f"{summary['comm_share']:.0%} of step time in flight, "
-            f"{summary['wait_share']:.0%} blocked; "
-            f"{summary['comm_bytes_per_step'] / 1e6:.2f} MB per step per rank",
+            f"{summary['wait_share']:.0%} blocked, overlap {summary['overlap']:.0%}; "
+            f"{summary['comm_bytes_per_step'] / 1e6:.2f} MB sent per step per rank"
+            + (
+                f" ({summary['compression_ratio']:.1f}x compressed)"
+                if summary.get("compression_ratio") and summary["compression_ratio"] > 1.001
+                else ""
+            ),
         ),
         ("params sha256", summary["params_sha256"][:16] + "..."),
     ]

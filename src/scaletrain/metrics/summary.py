@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.metrics.timers import overlap_ratio
+
 
 def params_sha256(model: nn.Module) -> str:
     """Hash of every parameter's name, dtype, shape and bytes, in name order. Buffers are left
@@ -44,6 +46,7 @@ class RankTotals:
     wait_s: float = 0.0
     data_s: float = 0.0
     comm_bytes: int = 0
+    dense_bytes: int = 0
     last_loss: float = float("nan")
     last_samples: int = 0
 
@@ -54,6 +57,7 @@ class RankTotals:
         for key in TIME_KEYS:
             setattr(self, key, getattr(self, key) + record[key])
         self.comm_bytes += record["comm_bytes"]
+        self.dense_bytes += record["dense_bytes"]
         self.last_samples = record["samples"]
         if record["samples"]:
             self.last_loss = record["loss"]
@@ -79,6 +83,8 @@ def build_summary(
     breakdown = {key: sum(getattr(r, key) for r in ranks) / world for key in TIME_KEYS}
     breakdown["checkpoint_s"] = checkpoint_s
     step_s = sum(r.step_s for r in ranks) / world
+    sent = sum(r.comm_bytes for r in ranks)
+    dense = sum(r.dense_bytes for r in ranks)
     return {
         **info,
         "world_size": world,
@@ -91,7 +97,13 @@ def build_summary(
         "time_breakdown": breakdown,
         "comm_share": breakdown["comm_s"] / step_s if step_s > 0 else 0.0,
         "wait_share": breakdown["wait_s"] / step_s if step_s > 0 else 0.0,
-        "comm_bytes_per_step": sum(r.comm_bytes for r in ranks) / world / max(ranks[0].steps, 1),
+        "overlap": overlap_ratio(
+            breakdown["compute_s"],
+            breakdown["comm_s"],
+            breakdown["compute_s"] + breakdown["wait_s"],
+        ),
+        "comm_bytes_per_step": sent / world / max(ranks[0].steps, 1),
+        "compression_ratio": dense / sent if sent else None,
         "recoveries": progress.recoveries,
         "params_sha256": params_hash,
         "per_rank": [asdict(r) for r in ranks],

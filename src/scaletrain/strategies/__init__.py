@@ -7,9 +7,13 @@ from scaletrain.registry import lookup
 from scaletrain.runtime import DistContext
 from scaletrain.strategies.base import Batch, StepResult, Strategy
 from scaletrain.strategies.ddp import DDPStrategy
+from scaletrain.strategies.diloco import DiLoCoStrategy
+from scaletrain.strategies.local_sgd import LocalSGDStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDPStrategy,
+    "local_sgd": LocalSGDStrategy,
+    "diloco": DiLoCoStrategy,
 }
 
 

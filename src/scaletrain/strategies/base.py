@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -38,6 +38,8 @@ class StepResult:
     """``loss`` is this rank's mean loss over its samples (a 0-dim tensor, not yet synced).
     Times are seconds: compute (forward, backward, optimizer, minus time blocked on peers),
     comm (gradient communication in flight, hidden or not), wait (blocked on communication).
+    ``comm_bytes``: bytes this rank sent (metrics/timers.sent_bytes); ``dense_bytes``: what
+    it would have sent without compression (None: the same).
     ``extras`` go into metrics.jsonl as they are (e.g. staleness)."""
 
     loss: torch.Tensor
@@ -45,10 +47,14 @@ class StepResult:
     comm_s: float
     wait_s: float
     comm_bytes: int = 0
+    dense_bytes: int | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Strategy(ABC):
+    # Whether gradients pass through DDP comm hooks, so --compression applies.
+    supports_compression: ClassVar[bool] = False
+
     def __init__(self, ctx: DistContext, cfg: RunConfig) -> None:
         self.ctx = ctx
         self.cfg = cfg
@@ -69,6 +75,11 @@ class Strategy(ABC):
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint needs to continue training (weights, optimizer state)."""
+
+    def finish(self) -> None:
+        """Called once after the last step, before evaluation: e.g. a final synchronization
+        for strategies whose replicas drift apart between synchronizations."""
+        return None
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:

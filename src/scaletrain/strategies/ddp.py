@@ -10,46 +10,38 @@ samples. When all ranks hold N / W samples the scale is exactly 1 and is skipped
 case is bit-for-bit plain DDP. Scaling the loss (rather than weighting inside a comm hook) keeps
 the weighting independent of whatever hook carries the gradients.
 
-Measurement. The comm hook is DDP's default all-reduce (divide by W, sum), written in Python
-so that each bucket's collective is timed from launch to completion (metrics/timers.py).
+Communication. Gradients travel through our own DDP comm hooks (compression/hook.py): plain
+all-reduce, or ``--compression NAME`` (fp16, bf16, top-k, PowerSGD, sign), each bucket's
+collectives timed from launch to completion and their bytes counted (metrics/timers.py).
 """
 
-# No `from __future__ import annotations` here: DDP inspects the hook's `bucket` annotation at
-# run time and rejects a string.
+from __future__ import annotations
+
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from scaletrain.compression import build_compressor
+from scaletrain.compression.hook import HookState, compressed_hook, timed_allreduce_hook
 from scaletrain.metrics.timers import CommTimer
 from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult, Strategy
 
 
-def timed_allreduce_hook(
-    state: tuple[CommTimer, int], bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    timer, world_size = state
-    buffer = bucket.buffer()
-    start = timer.now()
-    buffer.div_(world_size)
-    future = dist.all_reduce(buffer, async_op=True).get_future()  # type: ignore[union-attr]
-    nbytes = buffer.numel() * buffer.element_size()
-
-    def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
-        timer.record(start, timer.now(), nbytes)
-        return fut.value()[0]  # type: ignore[no-any-return]
-
-    return future.then(finished)
-
-
 class DDPStrategy(Strategy):
+    supports_compression = True
+
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(model, device_ids=device_ids)
+        self.ddp = DistributedDataParallel(
+            model, device_ids=device_ids, bucket_cap_mb=self.cfg.comm.bucket_mb
+        )
         self.timer = CommTimer()
-        self.ddp.register_comm_hook((self.timer, self.ctx.world_size), timed_allreduce_hook)
+        compressor = build_compressor(self.cfg.comm.compression, self.ctx.world_size)
+        state = HookState(self.timer, self.ctx.world_size, compressor)
+        hook = timed_allreduce_hook if compressor is None else compressed_hook
+        self.ddp.register_comm_hook(state, hook)
         self.optimizer = build_optimizer(self.ddp.parameters())
         self.loss_fn = loss_fn
 
@@ -80,7 +72,9 @@ class DDPStrategy(Strategy):
         self._sync_device()
         end = self.timer.now()
         comm = self.timer.collect()
-        blocked = (
+        # Blocked: inside backward on a blocking round (multi-round compressors), then from the
+        # last bucket's launch until its collective completed.
+        blocked = comm.blocked_s + (
             max(0.0, min(backward_end, comm.last_end) - comm.last_launch)
             if comm.num_collectives
             else 0.0
@@ -91,4 +85,5 @@ class DDPStrategy(Strategy):
             comm_s=comm.busy_s,
             wait_s=blocked,
             comm_bytes=comm.bytes,
+            dense_bytes=comm.dense_bytes,
         )

@@ -1,0 +1,96 @@
+"""The DDP communication hooks: plain all-reduce, and any Compressor, both timed.
+
+DDP calls a hook once per gradient bucket, in the same bucket order on every rank, from the
+autograd thread, and overlaps the returned future with the rest of backward. Rules kept here:
+
+- Every collective is issued from the hook itself, never from a completion callback: gloo
+  matches collectives by the order each rank issues them, and callbacks of different buckets
+  complete in different orders on different ranks (the bug in torch's own PowerSGD hook with
+  several buckets on gloo, FIELD-NOTES.md).
+- So a multi-round compressor runs all rounds but the last blocking; the last round, like the
+  one round of the others, stays asynchronous and overlaps with backward.
+- Callbacks only decode locally and record the collective's time and bytes (metrics/timers).
+"""
+
+# No `from __future__ import annotations`: DDP inspects the hook's `bucket` annotation at run
+# time and rejects a string.
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.compression.base import Compressor, nbytes
+from scaletrain.metrics.timers import CommTimer, sent_bytes
+
+
+@dataclass
+class HookState:
+    timer: CommTimer
+    world_size: int
+    compressor: Compressor | None = None
+    group: Any = None  # the process group; None: the default one
+
+
+def timed_allreduce_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default (divide by W, sum), timed from launch to completion."""
+    buffer = bucket.buffer()
+    start = state.timer.now()
+    buffer.div_(state.world_size)
+    work = dist.all_reduce(buffer, group=state.group, async_op=True)
+    sent = sent_bytes("all_reduce", nbytes(buffer), state.world_size)
+
+    def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        state.timer.record(start, state.timer.now(), sent)
+        return buffer
+
+    return work.get_future().then(finished)  # type: ignore[union-attr]
+
+
+def _launch(state: HookState, payload: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """Start the compressor's collective on ``payload``; (work, tensor holding the result)."""
+    assert state.compressor is not None
+    if state.compressor.collective == "all_reduce":
+        return dist.all_reduce(payload, group=state.group, async_op=True), payload
+    # gloo wants a flat output; decompress sees one row per rank.
+    out = payload.new_empty(state.world_size * payload.numel())
+    work = dist.all_gather_into_tensor(out, payload, group=state.group, async_op=True)
+    return work, out.view(state.world_size, *payload.shape)
+
+
+def compressed_hook(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    compressor = state.compressor
+    assert compressor is not None
+    grad = bucket.buffer()
+    params = bucket.parameters()
+    key = tuple(p.data_ptr() for p in params)  # stable per bucket layout (see compression/base)
+    shapes = [p.shape for p in params]
+    dense = sent_bytes("all_reduce", nbytes(grad), state.world_size)
+    dense_share = dense // compressor.rounds  # attribute the dense cost once per bucket
+    start = state.timer.now()
+    payload = compressor.compress(key, grad, shapes)
+    for _ in range(compressor.rounds - 1):
+        work, result = _launch(state, payload)
+        waited = state.timer.now()
+        work.wait()
+        end = state.timer.now()
+        state.timer.blocked(end - waited)
+        sent = sent_bytes(compressor.collective, nbytes(payload), state.world_size)
+        state.timer.record(start, end, sent, dense_share)
+        payload = compressor.next_round(key, result)
+        start = state.timer.now()
+    work, result = _launch(state, payload)
+    sent = sent_bytes(compressor.collective, nbytes(payload), state.world_size)
+
+    def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        compressor.decompress(key, result, grad)
+        state.timer.record(
+            start, state.timer.now(), sent, dense - dense_share * (compressor.rounds - 1)
+        )
+        return grad
+
+    return work.get_future().then(finished)

@@ -1,0 +1,121 @@
+"""Local SGD: every worker trains its own replica and the replicas are averaged every H steps.
+
+Communication drops by a factor of H against per-step gradient all-reduce, at the price of
+replicas drifting apart in between (Stich 2019; Lin et al. 2020, "Don't use large mini-batches,
+use local SGD"). Details:
+
+- Averages are weighted by the samples each worker trained on since the last synchronization,
+  so uneven batches (an epoch's last step, a weight-zero stand-in rank) count as they should.
+  Weights and counts travel in one all-reduce: [n_r * params_r, n_r].
+- Floating-point buffers (e.g. BatchNorm statistics) are averaged with the parameters.
+- A rank whose share of a step is only a weight-zero stand-in sample skips its optimizer step.
+- The period follows this strategy's own step counter, which checkpoints carry, so a resumed
+  run synchronizes at the same steps as an uninterrupted one. ``finish`` synchronizes once
+  more if the last period was cut short, so evaluation and the saved model see one model.
+- Checkpoints (written by rank 0) hold rank 0's replica and optimizer state; after a restart
+  every rank continues from those, as if a synchronization had happened there.
+
+Subclasses change what a synchronization does (diloco.py) through ``synchronize``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletrain.metrics.timers import sent_bytes
+from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult, Strategy
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+class LocalSGDStrategy(Strategy):
+    def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
+        self.module = model
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)  # one starting point, even for unseeded models
+        self.optimizer = build_optimizer(model.parameters())
+        self.loss_fn = loss_fn
+        self.sync_every = self.cfg.comm.sync_every
+        self.local_steps = 0  # steps taken since training began (checkpointed)
+        self.samples_since_sync = 0
+
+    @property
+    def model(self) -> nn.Module:
+        return self.module
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "local_steps": self.local_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.local_steps = state["local_steps"]
+        self.samples_since_sync = 0
+
+    def train_step(self, batch: Batch) -> StepResult:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
+        loss.backward()
+        if batch.num_samples:
+            self.optimizer.step()
+        self.local_steps += 1
+        self.samples_since_sync += batch.num_samples
+        comm_s, nbytes = 0.0, 0
+        if self.local_steps % self.sync_every == 0:
+            comm_s, nbytes = self._timed_sync()
+        return StepResult(
+            loss=loss.detach(),
+            compute_s=time.perf_counter() - start - comm_s,
+            comm_s=comm_s,
+            wait_s=comm_s,  # synchronization blocks; nothing overlaps it
+            comm_bytes=nbytes,
+            extras={"synced": bool(nbytes)},
+        )
+
+    def finish(self) -> None:
+        if self.local_steps % self.sync_every:
+            self._timed_sync()
+
+    def _timed_sync(self) -> tuple[float, int]:
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        started = time.perf_counter()
+        payload_bytes = self.synchronize(self.samples_since_sync)
+        self.samples_since_sync = 0
+        return time.perf_counter() - started, sent_bytes(
+            "all_reduce", payload_bytes, self.ctx.world_size
+        )
+
+    def weighted_average(self, tensors: list[torch.Tensor], num_samples: int) -> int:
+        """Replace each tensor by its sample-weighted average over ranks, in one all-reduce.
+        Returns the payload's bytes."""
+        weight = float(num_samples)
+        flat = torch.cat([t.detach().reshape(-1).float() * weight for t in tensors])
+        payload = torch.cat([flat, flat.new_tensor([weight])])
+        dist.all_reduce(payload)
+        total = payload[-1]
+        if total <= 0:  # no rank trained since the last synchronization: nothing to average
+            return payload.numel() * payload.element_size()
+        offset = 0
+        for t in tensors:
+            t.data.copy_((payload[offset : offset + t.numel()] / total).view_as(t))
+            offset += t.numel()
+        return payload.numel() * payload.element_size()
+
+    def synchronize(self, num_samples: int) -> int:
+        """Average parameters and float buffers; returns the bytes this rank handed over."""
+        return self.weighted_average(
+            [*self.module.parameters(), *float_buffers(self.module)], num_samples
+        )
