@@ -22,7 +22,7 @@ GLOBAL_BATCH = 12
 CASES = {2: (115, [3, 4]), 3: (115, [2, 2, 3]), 4: (110, [0, 0, 1, 1])}
 
 
-def train(tmp_path, world: int, num_samples: int) -> tuple[dict, dict]:
+def train(tmp_path, world: int, num_samples: int, **overrides) -> tuple[dict, dict]:
     out = tmp_path / f"w{world}"
     cfg = with_overrides(
         RunConfig(),
@@ -39,6 +39,7 @@ def train(tmp_path, world: int, num_samples: int) -> tuple[dict, dict]:
             "seed": 3,
             "deterministic": True,
             "num_threads": 1,
+            **overrides,
         },
     )
     summary = scaletrain.run(cfg, show_progress=False)

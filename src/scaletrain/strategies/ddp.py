@@ -86,4 +86,5 @@ class DDPStrategy(Strategy):
             wait_s=blocked,
             comm_bytes=comm.bytes,
             dense_bytes=comm.dense_bytes,
+            extras={"collectives": comm.num_collectives},
         )
