@@ -103,7 +103,15 @@ def test_user_task_example(tmp_path):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--strategy", "magic"], "unknown strategy 'magic'; known strategies: ddp"),
+        (["--strategy", "magic"], "unknown strategy 'magic'; known strategies: ddp, diloco"),
+        (["--compression", "zip"], "unknown compressor 'zip'; valid: none, fp16, bf16, topk"),
+        (["--compression", "powersgd:rank=0"], "powersgd rank must be an integer >= 1"),
+        (["--compression", "topk:ratio=2"], "topk ratio must be a fraction in (0, 1]"),
+        (
+            ["--strategy", "local_sgd", "--compression", "fp16"],
+            "strategy 'local_sgd' does not use gradient hooks; --compression applies to: ddp",
+        ),
+        (["--sync-every", "0"], "sync_every: must be >= 1"),
         (["--dataset", "imagenet"], "known datasets: digits, synthetic"),
         (["--model", "resnet"], "known models: cnn, mlp"),
         (["--nproc-per-node", "0"], "nproc_per_node: must be >= 1"),
