@@ -57,6 +57,10 @@ class LaunchSection:
         default="", metadata={"help": "HOST:PORT of the c10d rendezvous (default: local)"}
     )
     rdzv_id: str = field(default="", metadata={"help": "job id shared by all nodes"})
+    local_addr: str = field(
+        default="",
+        metadata={"help": "this node's address as the other nodes reach it (default: hostname)"},
+    )
     max_restarts: int = field(default=0, metadata={"help": "worker-group restarts on failure"})
     timeout_s: float = field(
         default=300.0, metadata={"help": "timeout of rendezvous and every collective, seconds"}

@@ -147,7 +147,7 @@ def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
         rdzv_configs={"is_host": is_host, "timeout": timeout, "join_timeout": timeout},
         max_restarts=cfg.launch.max_restarts,
         logs_specs=RunLogsSpecs(run_dir),
-        local_addr="127.0.0.1" if local_only else None,
+        local_addr="127.0.0.1" if local_only else (cfg.launch.local_addr or None),
         shutdown_timeout=5,
     )
 

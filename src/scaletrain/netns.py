@@ -1,0 +1,218 @@
+"""Emulated hosts on one machine: network namespaces joined by veth pairs and a bridge, each
+link shaped with ``tc ... tbf``, for benchmarks and tests of what crosses a network.
+
+Layout of one lab (N hosts)::
+
+    [host i: netns, eth0 10.200.0.(i+1)/24] --veth--> [switch netns: port s_i -- bridge br0]
+
+Every link is shaped in both directions: the host's eth0 egress (host -> switch) and the
+switch port's egress (switch -> host), so a host sends and receives at most ``rate``. The
+bridge lives in its own namespace, so a lab touches nothing of the machine's own network and
+labs never see each other (each has its own switch). tbf is the shaper because netem, fq and
+the like are not in this kernel (FIELD-NOTES.md): bandwidth is emulated, latency is not.
+
+Cleanup: ``NetworkLab`` is a context manager; leaving it (also on an exception) kills every
+process still running inside its namespaces and deletes them, which deletes their links.
+Namespace names carry the creating process id; a lab first deletes the namespaces of labs
+whose creator has died (a SIGKILLed test run), so nothing piles up across runs.
+
+Needs root and iproute2 (``ip``, ``tc``); ``unavailable_reason()`` says what is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREFIX = "scaletrain"
+SUBNET = "10.200.0"
+_counter = itertools.count()
+
+
+class NetLabError(RuntimeError):
+    pass
+
+
+def unavailable_reason() -> str | None:
+    """Why labs cannot be built here, or None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"iproute2's `{tool}` is not installed"
+    return None
+
+
+def _run(*argv: str) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        raise NetLabError(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+def parse_rate(rate: str) -> int:
+    """'100mbit' -> bits per second (tc's units: kbit, mbit, gbit, bit)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)", rate.strip().lower())
+    if not match:
+        raise ValueError(f"bandwidth: expected e.g. 100mbit or 1gbit, got {rate!r}")
+    scale = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}[match.group(2)]
+    return int(float(match.group(1)) * scale)
+
+
+def tbf_args(rate: str) -> list[str]:
+    """tbf with a bucket of 10 ms of traffic (at least 64 KiB: one GSO segment must fit, or
+    tbf drops it) and a queue of 50 ms."""
+    bits = parse_rate(rate)
+    burst = max(64 * 1024, bits // 8 // 100)
+    return ["tbf", "rate", str(bits), "burst", str(burst), "latency", "50ms"]
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    netns: str
+    ip: str
+    ifname: str = "eth0"
+
+
+def _namespaces() -> list[str]:
+    return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
+
+
+def _kill_and_delete(netns: str) -> None:
+    pids = subprocess.run(
+        ["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30
+    ).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
+
+
+def sweep_stale() -> None:
+    """Delete namespaces left by labs whose creating process is gone."""
+    for netns in _namespaces():
+        match = re.fullmatch(rf"{PREFIX}-(\d+)-\d+-\w+", netns)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            _kill_and_delete(netns)
+
+
+class NetworkLab:
+    def __init__(self, num_hosts: int, *, rate: str | None = None) -> None:
+        if num_hosts < 1 or num_hosts > 250:
+            raise ValueError(f"num_hosts: need 1..250, got {num_hosts}")
+        if rate is not None:
+            parse_rate(rate)
+        self.num_hosts = num_hosts
+        self.rate = rate
+        self.name = f"{PREFIX}-{os.getpid()}-{next(_counter)}"
+        self.switch = f"{self.name}-sw"
+        self.hosts = [Host(i, f"{self.name}-h{i}", f"{SUBNET}.{i + 1}") for i in range(num_hosts)]
+        self._created: list[str] = []
+
+    def __enter__(self) -> NetworkLab:
+        reason = unavailable_reason()
+        if reason:
+            raise NetLabError(reason)
+        sweep_stale()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _add_netns(self, netns: str) -> None:
+        _run("ip", "netns", "add", netns)
+        self._created.append(netns)
+        _run("ip", "-n", netns, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        sw = self.switch
+        self._add_netns(sw)
+        _run("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", sw, "link", "set", "br0", "up")
+        for host in self.hosts:
+            port = f"s{host.index}"
+            self._add_netns(host.netns)
+            _run("ip", "-n", host.netns, "link", "add", host.ifname, "type", "veth",
+                 "peer", "name", port, "netns", sw)  # fmt: skip
+            _run("ip", "-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", host.ifname)
+            _run("ip", "-n", host.netns, "link", "set", host.ifname, "up")
+            _run("ip", "-n", sw, "link", "set", port, "master", "br0")
+            _run("ip", "-n", sw, "link", "set", port, "up")
+            if self.rate:
+                shape = tbf_args(self.rate)
+                _run("tc", "-n", host.netns, "qdisc", "add", "dev", host.ifname, "root", *shape)
+                _run("tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape)
+
+    def close(self) -> None:
+        """Kill what runs inside and delete every namespace (and with them every link)."""
+        for netns in reversed(self._created):
+            _kill_and_delete(netns)
+        self._created.clear()
+
+    def command(self, host: int, argv: list[str]) -> list[str]:
+        """``argv`` to run inside host ``host``'s namespace."""
+        return ["ip", "netns", "exec", self.hosts[host].netns, *argv]
+
+    def popen(self, host: int, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        return subprocess.Popen(self.command(host, argv), **kwargs)
+
+    def run(self, host: int, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        return subprocess.run(self.command(host, argv), **kwargs)
+
+    def launch_scaletrain(
+        self, args: list[str], out_root: Path, *, nproc_per_node: int = 1, port: int = 29500
+    ) -> list[subprocess.Popen[str]]:
+        """Start ``scaletrain run ARGS`` on every host as one job: host 0 hosts the c10d
+        rendezvous, every node binds gloo to its eth0 and writes to out_root/node<i>."""
+        import sys
+
+        procs = []
+        for host in self.hosts:
+            argv = [
+                sys.executable, "-m", "scaletrain", "run", *args,
+                "--nnodes", str(self.num_hosts), "--node-rank", str(host.index),
+                "--nproc-per-node", str(nproc_per_node),
+                "--rdzv-endpoint", f"{self.hosts[0].ip}:{port}", "--rdzv-id", self.name,
+                "--local-addr", host.ip, "--out", str(out_root / f"node{host.index}"),
+            ]  # fmt: skip
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=host.ifname)
+            procs.append(
+                self.popen(
+                    host.index,
+                    argv,
+                    env=env,
+                    text=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )  # fmt: skip
+            )
+        return procs
+
+    def link_down(self, host: int) -> None:
+        """Cut host ``host``'s cable (its switch port goes down)."""
+        _run("ip", "-n", self.switch, "link", "set", f"s{host}", "down")
+
+    def wait_ready(self, timeout_s: float = 5.0) -> None:
+        """Wait until the bridge forwards (its ports leave the listening state)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            states = _run("ip", "-n", self.switch, "-br", "link", "show", "master", "br0")
+            if states and all(" UP " in f" {line} " for line in states.splitlines()):
+                return
+            time.sleep(0.05)
