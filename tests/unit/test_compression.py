@@ -15,6 +15,7 @@ from scaletrain.compression.base import Compressor, Residuals, nbytes
 from scaletrain.compression.powersgd import compressible
 from scaletrain.compression.sign import pack_signs, unpack_signs
 from scaletrain.compression.spec import SPECS, parse_compression
+from scaletrain.compression.topk import top_indices
 
 SHAPES = [torch.Size([16, 3, 3, 3]), torch.Size([16]), torch.Size([10, 64]), torch.Size([10])]
 NUMEL = sum(prod(s) for s in SHAPES)
@@ -154,7 +155,7 @@ def test_error_feedback_loses_nothing(spec):
         out, _ = exchange(compressors, grads)
         total_in += sum(grads).double()
         total_out += out.double() * world
-    held = sum(c.residuals.add_to("bucket", torch.zeros(NUMEL)) for c in compressors)  # type: ignore[attr-defined]
+    held = sum(c.residuals.held("bucket") for c in compressors)  # type: ignore[attr-defined]
     assert torch.allclose(total_in, total_out + held.double(), atol=1e-4)
     assert held.abs().max() > 0  # it did compress
 
@@ -191,9 +192,9 @@ def test_residuals_are_kept_per_bucket():
     a, b = random_grads(2)
     exchange(comp, [a], key="a")
     exchange(comp, [b], key="b")
-    held_a = comp[0].residuals.add_to("a", torch.zeros(NUMEL))  # type: ignore[attr-defined]
-    held_b = comp[0].residuals.add_to("b", torch.zeros(NUMEL))  # type: ignore[attr-defined]
-    assert not torch.equal(held_a, held_b)
+    held_a = comp[0].residuals.held("a")  # type: ignore[attr-defined]
+    held_b = comp[0].residuals.held("b")  # type: ignore[attr-defined]
+    assert held_a is not None and held_b is not None and not torch.equal(held_a, held_b)
     # The residual of a bucket with another layout (DDP's rebuild) is not applied.
     assert torch.equal(comp[0].residuals.add_to("a", torch.zeros(3)), torch.zeros(3))  # type: ignore[attr-defined]
 
@@ -205,3 +206,23 @@ def test_sign_packing_round_trips(values):
     packed = pack_signs(t)
     assert packed.numel() == -(-len(values) // 8) and packed.dtype == torch.uint8
     assert torch.equal(unpack_signs(packed, len(values)), torch.where(t >= 0, 1.0, -1.0))
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy_tail", "ties"])
+def test_fast_top_indices_equal_torch_topk(kind):
+    g = torch.Generator().manual_seed(3)
+    n, k = 300_000, 3_000
+    if kind == "normal":
+        values = torch.randn(n, generator=g).abs()
+    elif kind == "heavy_tail":  # the sample misses the few huge entries: fallback path
+        values = torch.rand(n, generator=g)
+        values[torch.randperm(n, generator=g)[:50]] = 1e6
+    else:
+        values = torch.randint(0, 3, (n,), generator=g).float()
+    expected = set(values.topk(k).indices.tolist())
+    got = top_indices(values, k)
+    assert got.numel() == k
+    if kind == "ties":  # ties may be broken differently; the kept values must be the same
+        assert sorted(values[got].tolist()) == sorted(values.topk(k).values.tolist())
+    else:
+        assert set(got.tolist()) == expected

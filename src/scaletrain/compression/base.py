@@ -70,11 +70,16 @@ class Residuals:
         self._store: dict[Hashable, torch.Tensor] = {}
 
     def add_to(self, key: Hashable, grad: torch.Tensor) -> torch.Tensor:
-        """grad + residual(key), as a new tensor; the caller's gradient is left alone."""
-        residual = self._store.get(key)
+        """grad + residual(key), in a tensor the caller owns (``grad`` is left alone). The
+        stored residual is consumed: its memory is reused, so one bucket costs one buffer."""
+        residual = self._store.pop(key, None)
         if residual is None or residual.shape != grad.shape:
             return grad.clone()
-        return grad + residual
+        return residual.add_(grad)
 
     def set(self, key: Hashable, residual: torch.Tensor) -> None:
         self._store[key] = residual
+
+    def held(self, key: Hashable) -> torch.Tensor | None:
+        """What is held back for ``key`` (for inspection)."""
+        return self._store.get(key)

@@ -15,6 +15,7 @@ all-gathered. Payload: ceil(n / 8) + 4 bytes per tensor, so the ratio approaches
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from math import prod
 
@@ -29,15 +30,20 @@ def pack_signs(values: torch.Tensor) -> torch.Tensor:
     """One bit per entry, 1 where value >= 0, eight entries to a uint8, zero-padded."""
     bits = (values >= 0).to(torch.uint8)
     bits = torch.nn.functional.pad(bits, (0, -bits.numel() % 8)).reshape(-1, 8)
-    return (bits * _BIT_WEIGHTS.to(values.device)).sum(dim=1, dtype=torch.uint8)
+    packed = bits[:, 0] << 7
+    for column in range(1, 8):
+        packed |= bits[:, column] << (7 - column)
+    return packed
+
+
+# Row b: the eight signs (+1.0 / -1.0) that byte b encodes, so unpacking is one table lookup.
+_SIGN_TABLE = ((torch.arange(256, dtype=torch.uint8).unsqueeze(1) & _BIT_WEIGHTS) != 0) * 2.0 - 1
 
 
 def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """The inverse of pack_signs, as +1.0 / -1.0 (leading dimensions kept)."""
-    weights = _BIT_WEIGHTS.to(packed.device)
-    bits = (packed.unsqueeze(-1) & weights) != 0
-    bits = bits.reshape(*packed.shape[:-1], -1)[..., :numel]
-    return bits.to(torch.float32) * 2 - 1
+    signs = _SIGN_TABLE.to(packed.device)[packed.long()]
+    return signs.reshape(*packed.shape[:-1], -1)[..., :numel]
 
 
 class SignCompressor(Compressor):
@@ -46,23 +52,31 @@ class SignCompressor(Compressor):
     def __init__(self, world_size: int) -> None:
         super().__init__(world_size)
         self.residuals = Residuals()
-        self.sizes: dict[Hashable, torch.Tensor] = {}
+        self.bounds: dict[Hashable, list[tuple[int, int]]] = {}  # each tensor's [lo, hi)
 
     def compress(self, key: Hashable, grad: torch.Tensor, shapes: Shapes) -> torch.Tensor:
-        sizes = self.sizes[key] = torch.tensor([prod(s) for s in shapes], device=grad.device)
+        sizes = [prod(s) for s in shapes]
+        ends = list(itertools.accumulate(sizes))
+        self.bounds[key] = list(zip([0, *ends[:-1]], ends, strict=True))
         corrected = self.residuals.add_to(key, grad)
-        pieces = corrected.split(sizes.tolist())
-        scales = torch.stack([piece.norm() / piece.numel() ** 0.5 for piece in pieces])
-        signs = torch.where(corrected >= 0, 1.0, -1.0)
-        self.residuals.set(key, corrected - scales.repeat_interleave(sizes) * signs)
-        return torch.cat([pack_signs(corrected), scales.view(torch.uint8)])
+        packed = pack_signs(corrected)
+        scales = torch.stack(
+            [corrected[lo:hi].norm() / (hi - lo) ** 0.5 for lo, hi in self.bounds[key]]
+        )
+        # The residual, in place: corrected - scale * sign(corrected), tensor by tensor.
+        for scale, (lo, hi) in zip(scales, self.bounds[key], strict=True):
+            piece = corrected[lo:hi]
+            piece.sub_(torch.where(piece >= 0, scale, -scale))
+        self.residuals.set(key, corrected)
+        return torch.cat([packed, scales.view(torch.uint8)])
 
     def decompress(self, key: Hashable, payload: torch.Tensor, out: torch.Tensor) -> None:
-        sizes = self.sizes[key]
-        num_scale_bytes = 4 * len(sizes)
+        num_scale_bytes = 4 * len(self.bounds[key])
         scales = payload[:, -num_scale_bytes:].contiguous().view(torch.float32)  # (world, T)
         signs = unpack_signs(payload[:, :-num_scale_bytes], out.numel())  # (world, n)
-        torch.sum(signs * scales.repeat_interleave(sizes, dim=1), dim=0, out=out)
+        # Per tensor, the weighted sum over ranks is one (world,) x (world, len) product.
+        for tensor, (lo, hi) in enumerate(self.bounds[key]):
+            torch.mv(signs[:, lo:hi].t(), scales[:, tensor], out=out[lo:hi])
         out.div_(self.world_size)
 
     def ratio(self, shapes: Shapes) -> float:

@@ -22,6 +22,24 @@ def num_kept(numel: int, ratio: float) -> int:
     return max(1, min(numel, int(numel * ratio)))
 
 
+def top_indices(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries, as torch.topk gives, in a fraction of its time on
+    large tensors: a threshold from a strided 1% sample (set so that about 1.5 k entries pass)
+    narrows the search to the candidates above it; an exact top-k runs on those. When fewer
+    than k pass (a skewed tensor), the full top-k runs instead, so the result is always exact.
+    (torch.topk over 4.2M entries for k = 42k takes ~100 ms on one CPU thread.)"""
+    n = magnitudes.numel()
+    if n < 100_000 or 2 * k > n:
+        return magnitudes.topk(k, sorted=False).indices
+    sample = magnitudes[:: n // (n // 100)]
+    sample_k = min(sample.numel(), max(1, int(1.5 * k * sample.numel() / n)))
+    threshold = sample.topk(sample_k, sorted=False).values.min()
+    candidates = (magnitudes >= threshold).nonzero().squeeze(1)
+    if candidates.numel() < k:
+        return magnitudes.topk(k, sorted=False).indices
+    return candidates[magnitudes[candidates].topk(k, sorted=False).indices]
+
+
 class TopKCompressor(Compressor):
     collective = "all_gather"
 
@@ -33,7 +51,7 @@ class TopKCompressor(Compressor):
     def compress(self, key: Hashable, grad: torch.Tensor, shapes: Shapes) -> torch.Tensor:
         corrected = self.residuals.add_to(key, grad)
         k = num_kept(corrected.numel(), self.keep)
-        indices = corrected.abs().topk(k, sorted=False).indices
+        indices = top_indices(corrected.abs(), k)
         values = corrected[indices]
         corrected[indices] = 0  # what is left over becomes the residual
         self.residuals.set(key, corrected)
