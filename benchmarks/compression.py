@@ -94,8 +94,10 @@ def main() -> None:
     args = parser.parse_args()
     flags = job_flags(args)
     verdicts = []
-    print("model: mlp width 256 (4.2M parameters, 16.8 MB fp32 gradients), 2 workers, "
-          f"batch {args.batch_size} per worker, mean over {args.steady_steps} steady steps")  # fmt: skip
+    print(
+        "model: mlp width 256 (4.2M parameters, 16.8 MB fp32 gradients), 2 workers, "
+        f"batch {args.batch_size} per worker, mean over {args.steady_steps} steady steps"
+    )
     for network in args.networks.split(","):
         if network != "loopback" and unavailable_reason():
             print(f"\n{network}: skipped ({unavailable_reason()})")
