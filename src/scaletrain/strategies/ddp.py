@@ -35,7 +35,10 @@ class DDPStrategy(Strategy):
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(
-            model, device_ids=device_ids, bucket_cap_mb=self.cfg.comm.bucket_mb
+            model,
+            device_ids=device_ids,
+            bucket_cap_mb=self.cfg.comm.bucket_mb,
+            gradient_as_bucket_view=True,
         )
         self.timer = CommTimer()
         compressor = build_compressor(self.cfg.comm.compression, self.ctx.world_size)
