@@ -21,6 +21,11 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "epochs": 10,
     "batch_size": 32,
     "lr": 0.05,
+    # The demo shows fault tolerance too: rank 1 is SIGKILLed before step 60 (of 230); the
+    # elastic agent restarts the group and it resumes from the checkpoint of step 55.
+    "checkpoint_every": 5,
+    "max_restarts": 1,
+    "inject": "kill:rank=1:step=60",
 }
 FLAG_ALIASES = {"data_dir": ["--data"]}  # the short name users reach for first
 
@@ -70,6 +75,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         base = dict(DEMO_DEFAULTS, out=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = load_toml(args.config) if args.config else with_overrides(RunConfig(), base)
     cfg = with_overrides(cfg, {k: v for k, v in vars(args).items() if k in leaf_fields()})
+    if args.command == "demo" and cfg.fault.inject:
+        print(f"demo: injecting {cfg.fault.inject} to show a failure and its recovery")
     summary = run(cfg)
     if "strategy" in summary:
         render_summary(summary, Console())

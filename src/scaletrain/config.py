@@ -108,12 +108,17 @@ class TrainSection:
     num_threads: int = field(
         default=0, metadata={"help": "intra-op threads per worker (0: cores / local workers)"}
     )
+    max_memory_per_rank: int = field(
+        default=0,
+        metadata={"help": "refuse a strategy whose per-rank training state exceeds this (bytes)"},
+    )
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
         _require(self.max_steps >= 0, "max_steps", f"must be >= 0, got {self.max_steps}")
         _require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         _require(self.num_threads >= 0, "num_threads", f"must be >= 0, got {self.num_threads}")
+        _require(self.max_memory_per_rank >= 0, "max_memory_per_rank", "must be >= 0")
         _require(
             self.device in ("auto", "cpu", "cuda"),
             "device",
@@ -185,7 +190,15 @@ class FaultSection:
         default=0, metadata={"help": "save a checkpoint every N steps (0: never)"}
     )
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept on disk"})
+    checkpoint_async: bool = field(
+        default=False,
+        metadata={"help": "write checkpoints in the background (the step waits for a copy)"},
+    )
     inject: str = field(default="", metadata={"help": "faults to inject, e.g. kill:rank=1:step=7"})
+    hang_timeout_s: float = field(
+        default=0.0,
+        metadata={"help": "a rank without progress this long is a hang (0: half of timeout_s)"},
+    )
     log_sample_ids: bool = field(
         default=False, metadata={"help": "record each step's sample ids in metrics.jsonl"}
     )
@@ -195,6 +208,7 @@ class FaultSection:
 
         _require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        _require(self.hang_timeout_s >= 0, "hang_timeout_s", "must be >= 0")
         parse_inject(self.inject)
 
 

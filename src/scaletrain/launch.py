@@ -16,6 +16,7 @@ terminal (metrics/progress.py): workers' own output goes to DIR/logs/rank<R>.log
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -24,6 +25,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +166,67 @@ def set_launch_env(cfg: RunConfig, local_only: bool) -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+class _DeathRecorder(logging.Handler):
+    """Turns the agent's "failed (exitcode ...) local_rank ..." log record, emitted once per
+    failed attempt when the agent notices the failure, into a line of DIR/logs/incidents.jsonl,
+    which the next attempt reads for summary.json's recoveries (fault/recovery.py)."""
+
+    def __init__(self, run_dir: Path, first_rank: int, num_local: int) -> None:
+        super().__init__(level=logging.ERROR)
+        self.run_dir, self.first_rank, self.num_local = run_dir, first_rank, num_local
+        self.attempt = 0
+
+    def root_causes(self, reported: int) -> list[int]:
+        """The agent reports the failure it saw first, often a survivor whose collective
+        failed ("Connection closed by peer") a moment before the agent noticed the dead rank.
+        When it logs, the group is already stopped: the ranks whose error file is missing (a
+        signal) or names a cause rather than a symptom are the candidates."""
+        from scaletrain.metrics.logs import COLLATERAL
+
+        candidates = []
+        for rank in range(self.first_rank, self.first_rank + self.num_local):
+            path = self.run_dir / "logs" / "errors" / f"rank{rank}.json"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            if not any(pattern in text for pattern in COLLATERAL):
+                candidates.append(rank)
+        return sorted(candidates, key=lambda r: r != reported) or [reported]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not str(record.msg).startswith("failed (exitcode") or len(args) < 3:
+            return
+        exitcode, local_rank, pid = args[:3]
+        from scaletrain.fault.watchdog import append_incident
+
+        reported = self.first_rank + int(str(local_rank))
+        append_incident(
+            self.run_dir,
+            {"kind": "death", "attempt": self.attempt, "ranks": self.root_causes(reported),
+             "reported_rank": reported, "exitcode": exitcode, "pid": pid,
+             "detected_at": record.created},
+        )  # fmt: skip
+        self.attempt += 1
+
+
+@contextlib.contextmanager
+def record_worker_deaths(cfg: RunConfig, run_dir: Path) -> Iterator[None]:
+    # The first global rank of this node assumes the first attempt's rank assignment
+    # (node_rank * nproc_per_node); after an elastic membership change it is a best guess.
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    nproc = cfg.launch.nproc_per_node
+    handler = _DeathRecorder(run_dir, cfg.launch.node_rank * nproc, nproc)
+    saved = logger.level, logger.propagate
+    logger.setLevel(logging.ERROR)
+    logger.propagate = False  # the launcher prints its own account of failures
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
 def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Launch this node's workers for ``cfg`` and wait for them.
 
@@ -179,12 +242,18 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     from scaletrain.metrics.progress import ProgressView
 
     check_names(cfg)
+    if cfg.train.max_memory_per_rank:
+        from scaletrain.memory_budget import check_memory_budget
+        from scaletrain.task import build_task
+
+        world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[1]
+        check_memory_budget(cfg, build_task(cfg).model, world)
     cfg, run_dir = prepare_run_dir(cfg)
     launch_config = build_launch_config(cfg, run_dir)
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
     progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)
     try:
-        with progress:
+        with progress, record_worker_deaths(cfg, run_dir):
             elastic_launch(launch_config, sys.executable)("-m", "scaletrain.worker", str(run_dir))
     except ChildFailedError as e:
         raise WorkerFailed(describe_failure(e.failures, run_dir)) from None

@@ -24,11 +24,17 @@ from scaletrain.config import RunConfig
 from scaletrain.data.datasets import ImageDataset, collate_batch
 from scaletrain.data.partition import rank_slice, split_counts
 from scaletrain.data.sampler import GlobalBatchSampler
-from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json, save_checkpoint
+from scaletrain.fault.checkpoint import (
+    AsyncCheckpointer,
+    atomic_torch_save,
+    atomic_write_json,
+    save_checkpoint,
+)
 from scaletrain.fault.inject import parse_inject
-from scaletrain.fault.recovery import Progress, checkpoint_state, resume
+from scaletrain.fault.recovery import Progress, checkpoint_state, mark_resumed, resume
+from scaletrain.fault.watchdog import Watchdog
 from scaletrain.metrics.sinks import JsonlSink
-from scaletrain.metrics.summary import RankTotals, build_summary, params_sha256
+from scaletrain.metrics.summary import RankTotals, build_summary, params_sha256, peak_rss_bytes
 from scaletrain.metrics.timers import overlap_ratio
 from scaletrain.runtime import DistContext
 from scaletrain.strategies import Batch, build_strategy
@@ -78,8 +84,16 @@ class Trainer:
         )
         self.totals = RankTotals(rank=ctx.rank)
         self.progress = Progress()
-        self.injectors = parse_inject(cfg.fault.inject)
+        self.faults = parse_inject(cfg.fault.inject)
         self.checkpoint_s = 0.0
+        self.checkpointer = AsyncCheckpointer() if cfg.fault.checkpoint_async else None
+        self.watchdog = Watchdog(
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            attempt=ctx.restart_count,
+            timeout_s=cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2,
+            run_dir=run_dir,
+        )
 
     def fit(self) -> dict[str, Any] | None:
         resumed = resume(
@@ -91,7 +105,9 @@ class Trainer:
             metrics=self.run_dir / "metrics.jsonl",
         )
         self.progress = resumed or self.progress
+        self.resuming = resumed is not None
         self.total_steps = self._total_steps()
+        self.watchdog.start()
         log.info(
             "training to step %d on %s with %s, world size %d",
             self.total_steps, self.ctx.device, self.ctx.backend, self.ctx.world_size,
@@ -107,10 +123,18 @@ class Trainer:
                     break
         finally:
             sink.close()
+        if self.checkpointer is not None:
+            started = time.perf_counter()
+            self.checkpointer.wait()
+            self.checkpoint_s += time.perf_counter() - started
         self.strategy.finish()
         wall_s = time.perf_counter() - start
+        self.watchdog.enter(self.progress.step, "evaluation", "evaluation all-reduce")
         accuracy = self.evaluate()
-        return self._finish(wall_s, accuracy)
+        self.watchdog.enter(self.progress.step, "end of training", "gather of per-rank totals")
+        summary = self._finish(wall_s, accuracy)
+        self.watchdog.stop()
+        return summary
 
     def _total_steps(self) -> int:
         """Steps this run ends at: the rest of the current epoch under this world size, then
@@ -127,13 +151,17 @@ class Trainer:
         for step_start, step_end in bounds:
             if self.progress.step >= self.total_steps:
                 break
-            for injector in self.injectors:
-                injector.before_step(self.progress.step + 1, self.ctx.rank, self.ctx.restart_count)
+            step, attempt = self.progress.step + 1, self.ctx.restart_count
+            self.watchdog.enter(step, "starting the step")
+            for fault in self.faults:
+                fault.before_step(step, self.ctx.rank, attempt)
+            self.watchdog.enter(step, "loading data")
             t0 = time.perf_counter()
             inputs, targets = to_device(next(batches), self.ctx.device)
             data_s = time.perf_counter() - t0
             global_samples = step_end - step_start
             samples = split_counts(global_samples, self.ctx.world_size)[self.ctx.rank]
+            self.watchdog.enter(step, "train step", self.strategy.collective)
             result = self.strategy.train_step(
                 Batch(
                     inputs=inputs,
@@ -142,11 +170,15 @@ class Trainer:
                     global_samples=global_samples,
                 )
             )
+            self.watchdog.enter(step, "after the train step")
+            # A slow-rank fault stretches this rank's step as slower hardware would.
+            slowed_s = sum(f.after_step(step, self.ctx.rank, attempt, result.compute_s)
+                           for f in self.faults)  # fmt: skip
             # The step is applied: only now do its samples count as consumed.
             self.sampler.commit(global_samples)
             self.progress.step += 1
             self.progress.samples_trained += global_samples
-            self._maybe_checkpoint()
+            checkpoint_s = self._maybe_checkpoint()
             record = {
                 "step": self.progress.step,
                 "epoch": self.progress.epoch,
@@ -157,10 +189,11 @@ class Trainer:
                 # A rank that only held a zero-weight stand-in sample has no loss of its own.
                 "loss": result.loss.item() if samples else None,
                 "step_s": time.perf_counter() - t0,
-                "compute_s": result.compute_s,
+                "compute_s": result.compute_s + slowed_s,
                 "comm_s": result.comm_s,
                 "wait_s": result.wait_s,
                 "data_s": data_s,
+                "checkpoint_s": checkpoint_s,
                 "overlap": overlap_ratio(
                     result.compute_s, result.comm_s, result.compute_s + result.wait_s
                 ),
@@ -169,6 +202,7 @@ class Trainer:
                     result.comm_bytes if result.dense_bytes is None else result.dense_bytes
                 ),
                 "time_s": time.perf_counter() - start,
+                "unix_time": time.time(),
                 "total_steps": self.total_steps,
                 **result.extras,
             }
@@ -177,17 +211,37 @@ class Trainer:
                 record["sample_ids"] = order[lo:hi].tolist()
             sink.write(record)
             self.totals.add(record)
+            if self.resuming:  # the first step after a restart: recovery complete
+                self.resuming = False
+                mark_resumed(self.progress)
 
-    def _maybe_checkpoint(self) -> None:
+    def _maybe_checkpoint(self) -> float:
+        """Save if this step is due (rank 0); returns the seconds the step was blocked."""
         every = self.cfg.fault.checkpoint_every
-        if not every or self.progress.step % every or not self.ctx.is_main:
-            return
+        if not every or self.progress.step % every:
+            return 0.0
+        collective = self.strategy.collective_state_dict  # sharded state: every rank gathers
+        if not (self.ctx.is_main or collective):
+            return 0.0
+        step = self.progress.step
+        self.watchdog.enter(step, "writing a checkpoint", "state gather" if collective else "")
         started = time.perf_counter()
         state = checkpoint_state(self.strategy, self.sampler, self.progress, self.cfg.hash())
-        save_checkpoint(
-            self.run_dir / "checkpoints", self.progress.step, state, self.cfg.fault.keep_checkpoints
-        )
-        self.checkpoint_s += time.perf_counter() - started
+        if not self.ctx.is_main:
+            return time.perf_counter() - started
+        directory, keep = self.run_dir / "checkpoints", self.cfg.fault.keep_checkpoints
+
+        def injected(path: Path) -> None:
+            for fault in self.faults:
+                fault.after_checkpoint(step, path, self.ctx.restart_count)
+
+        if self.checkpointer is not None:
+            self.checkpointer.submit(directory, step, state, keep, then=injected)
+        else:
+            injected(save_checkpoint(directory, step, state, keep))
+        blocked = time.perf_counter() - started
+        self.checkpoint_s += blocked
+        return blocked
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -203,6 +257,8 @@ class Trainer:
         )
         correct = total = 0
         for inputs, targets in loader:
+            # A fresh mark per batch: a long evaluation is progress, not a hang.
+            self.watchdog.enter(self.progress.step, "evaluation", "evaluation all-reduce")
             c, t = eval_fn(
                 model(to_device(inputs, self.ctx.device)), to_device(targets, self.ctx.device)
             )
@@ -213,6 +269,8 @@ class Trainer:
         return float(counts[0] / counts[1]) if counts[1] > 0 else None
 
     def _finish(self, wall_s: float, accuracy: float | None) -> dict[str, Any] | None:
+        self.totals.memory = self.strategy.memory_bytes()
+        self.totals.peak_rss_bytes = peak_rss_bytes()
         gathered: list[RankTotals | None] = [None] * self.ctx.world_size
         dist.all_gather_object(gathered, self.totals)
         if not self.ctx.is_main:

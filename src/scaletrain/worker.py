@@ -19,8 +19,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from scaletrain.config import load_toml
 from scaletrain.runtime import apply_determinism, die_with_parent, init_distributed, redirect_output
-from scaletrain.task import build_task
-from scaletrain.trainer import Trainer
 
 # Objects that hold process groups (DDP's Reducer) stay referenced until os._exit: see exit_now.
 _KEEP_ALIVE: list[object] = []
@@ -46,6 +44,11 @@ def main(argv: list[str]) -> None:
         restart,
         os.getpid(),
     )
+    # Imported here, under @record: an import error (a broken install, a user task's module)
+    # then reaches the error file and the launcher's report like any other failure.
+    from scaletrain.task import build_task
+    from scaletrain.trainer import Trainer
+
     cfg = load_toml(run_dir / "config.toml")
     apply_determinism(cfg, int(os.environ["LOCAL_WORLD_SIZE"]))
     ctx = init_distributed(cfg)

@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO, assert_no_orphans, run_cli
 
 
@@ -22,22 +24,80 @@ def summary_of(out):
     return json.loads((out / "summary.json").read_text())
 
 
-def test_killed_worker_restarts_from_checkpoint_with_identical_weights(tmp_path):
-    common = ["--nproc-per-node", "2", "--max-steps", "20", "--deterministic", "--seed", "3"]
-    clean, killed = tmp_path / "clean", tmp_path / "killed"
-    assert run_cli("run", *common, "--out", str(clean)).returncode == 0
-    result = run_cli("run", *common, "--checkpoint-every", "3", "--max-restarts", "1",
+COMMON = ["--nproc-per-node", "2", "--max-steps", "20", "--deterministic", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def clean_hash(tmp_path_factory):
+    clean = tmp_path_factory.mktemp("clean") / "run"
+    assert run_cli("run", *COMMON, "--out", str(clean)).returncode == 0
+    return summary_of(clean)["params_sha256"]
+
+
+def test_killed_worker_restarts_from_checkpoint_with_identical_weights(tmp_path, clean_hash):
+    killed = tmp_path / "killed"
+    result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "1",
                      "--inject", "kill:rank=1:step=8", "--out", str(killed))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = summary_of(killed)
-    assert summary["params_sha256"] == summary_of(clean)["params_sha256"]
+    assert summary["params_sha256"] == clean_hash
     assert summary["steps"] == 20
     [recovery] = summary["recoveries"]
     assert recovery["kind"] == "restart" and recovery["attempt"] == 1
+    assert recovery["cause"] == "death" and recovery["rank"] == 1
+    assert recovery["failed_step"] == 8
     assert recovery["step"] == 6  # the newest checkpoint before the kill at step 8
     assert recovery["lost_steps"] == 1  # step 7 was trained, then lost with the group
+    assert 0 < recovery["detected_s"] < recovery["resumed_s"] + recovery["detected_s"]
+    assert recovery["resumed_s"] > 0
     assert "killed by SIGKILL" not in result.stderr  # recovered: not reported as a failure
     assert_no_orphans(killed)
+
+
+def test_hung_worker_is_detected_named_and_recovered(tmp_path, clean_hash):
+    """Rank 1 stops before step 5 without dying; the watchdog names it, the group restarts."""
+    hung = tmp_path / "hung"
+    result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "1",
+                     "--hang-timeout-s", "5", "--inject", "hang:rank=1:step=5",
+                     "--out", str(hung))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = summary_of(hung)
+    assert summary["params_sha256"] == clean_hash
+    [recovery] = summary["recoveries"]
+    assert recovery["cause"] == "hang" and recovery["rank"] == 1
+    assert recovery["failed_step"] == 5 and recovery["step"] == 3
+    assert recovery["detected_s"] >= 5 and recovery["resumed_s"] > 0
+    incidents = (hung / "logs" / "incidents.jsonl").read_text()
+    assert "rank 1 did not reach the gradient all-reduce of step 5" in incidents
+    assert_no_orphans(hung)
+
+
+def test_hang_without_restarts_fails_with_a_report_not_a_stall(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("run", *COMMON, "--hang-timeout-s", "4", "--inject", "hang:rank=0:step=3",
+                     "--out", str(out), timeout=120)  # fmt: skip
+    assert result.returncode == 1
+    assert (
+        "hang detected: rank 0 did not reach the gradient all-reduce of step 3 while rank 1 "
+        "waits in it: rank 0 has been in 'starting the step' of step 3 for"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert_no_orphans(out)
+
+
+def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, clean_hash):
+    out = tmp_path / "run"
+    result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "1",
+                     "--inject", "corrupt-checkpoint:step=6,kill:rank=0:step=8",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = summary_of(out)
+    assert summary["params_sha256"] == clean_hash
+    [recovery] = summary["recoveries"]
+    assert recovery["step"] == 3 and recovery["skipped_checkpoints"] == 1
+    assert recovery["lost_steps"] == 4
+    assert "sha256 differs" in (out / "logs" / "rank0.log").read_text()
+    assert_no_orphans(out)
 
 
 def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):

@@ -1,10 +1,22 @@
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import pytest
 import torch
 
-from scaletrain.fault.checkpoint import load_latest, read_index, save_checkpoint
-from scaletrain.fault.inject import Kill, KillNode, parse_inject
+from scaletrain.fault.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointError,
+    load_latest,
+    read_index,
+    save_checkpoint,
+)
+from scaletrain.fault.inject import CorruptCheckpoint, Hang, Kill, KillNode, Slow, parse_inject
+from scaletrain.fault.recovery import failure_details
+from scaletrain.fault.watchdog import Beat, diagnose
 
 
 def test_checkpoints_keep_the_newest_and_skip_damaged_ones(tmp_path):
@@ -31,9 +43,140 @@ def test_parse_inject():
         Kill(rank=1, step=7),
         KillNode(rank=2, step=3),
     ]
-    with pytest.raises(ValueError, match="unknown fault 'explode'; known: kill, killnode"):
+    assert parse_inject("slow:rank=2:factor=2.5,hang:rank=0:step=4,corrupt-checkpoint:step=3") == [
+        Slow(rank=2, factor=2.5),
+        Hang(rank=0, step=4),
+        CorruptCheckpoint(step=3),
+    ]
+    with pytest.raises(
+        ValueError, match="unknown fault 'explode'; known: corrupt-checkpoint, hang"
+    ):
         parse_inject("explode:rank=1")
-    with pytest.raises(ValueError, match="expected kill:rank=R:step=S"):
+    with pytest.raises(ValueError, match="rank must be an integer, got 'one'"):
         parse_inject("kill:rank=one:step=2")
     with pytest.raises(ValueError, match="needs rank >= 0 and step >= 1"):
         parse_inject("kill:rank=0:step=0")
+    with pytest.raises(ValueError, match="missing factor; slow takes rank, factor"):
+        parse_inject("slow:rank=1")
+    with pytest.raises(ValueError, match="needs rank >= 0 and factor >= 1"):
+        parse_inject("slow:rank=1:factor=0.5")
+    with pytest.raises(ValueError, match="unknown option 'rank=1'; corrupt-checkpoint takes step"):
+        parse_inject("corrupt-checkpoint:rank=1")
+
+
+def test_corrupt_checkpoint_fault_breaks_the_sha256_only_in_the_first_attempt(tmp_path):
+    path = tmp_path / "step-3.pt"
+    original = bytes(range(256)) * 8
+    path.write_bytes(original)
+    fault = CorruptCheckpoint(step=3)
+    fault.after_checkpoint(3, path, attempt=1)
+    fault.after_checkpoint(2, path, attempt=0)
+    assert path.read_bytes() == original
+    fault.after_checkpoint(3, path, attempt=0)
+    damaged = path.read_bytes()
+    assert len(damaged) == len(original) and damaged != original
+
+
+def beat(step, phase, collective="", since=100.0, published=130.0):
+    return Beat(step, phase, collective, since, published)
+
+
+def test_diagnose_names_the_rank_that_did_not_reach_the_collective():
+    beats = {
+        0: beat(7, "train step", "gradient all-reduce", since=101.0),
+        1: beat(7, "starting the step", since=100.0),
+        2: beat(7, "train step", "gradient all-reduce", since=101.5),
+    }
+    d = diagnose(beats, now=131.0, timeout_s=30)
+    assert d.culprits == [1] and d.step == 7 and d.collective == "gradient all-reduce"
+    assert d.since == 100.0
+    assert d.message.startswith(
+        "hang detected: rank 1 did not reach the gradient all-reduce of step 7 while ranks 0, 2 "
+        "wait in it: rank 1 has been in 'starting the step' of step 7 for 31 s"
+    )
+
+
+def test_diagnose_names_frozen_and_missing_ranks():
+    beats = {
+        0: beat(3, "train step", "gradient all-reduce"),
+        1: beat(3, "train step", "gradient all-reduce", published=110.0),  # frozen since 110
+        2: None,
+    }
+    d = diagnose(beats, now=131.0, timeout_s=30)
+    assert d.culprits == [1, 2]
+    assert "rank 1 stopped sending heartbeats 21 s ago (at step 3, train step)" in d.message
+    assert "rank 2 never sent a heartbeat" in d.message
+
+
+def test_diagnose_without_a_missing_rank_blames_the_collective():
+    beats = {r: beat(5, "evaluation", "evaluation all-reduce", since=90.0) for r in range(2)}
+    d = diagnose(beats, now=131.0, timeout_s=30)
+    assert d.culprits == []
+    assert "ranks 0, 1 have waited 41 s in the evaluation all-reduce of step 5" in d.message
+    assert "no rank is missing from it" in d.message
+
+
+def test_async_checkpoint_saves_the_state_of_submit_time(tmp_path):
+    weights = torch.zeros(1000)
+    saver = AsyncCheckpointer()
+    saver.submit(tmp_path, 1, {"w": weights}, keep=2)
+    weights += 1  # training goes on while the write is in flight
+    saver.wait()
+    state, skipped = load_latest(tmp_path)
+    assert skipped == [] and torch.equal(state["w"], torch.zeros(1000))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 256 KiB tmpfs: a real full disk (root only)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_full_disk_keeps_the_previous_checkpoint_and_says_so(tiny_disk, background):
+    save_checkpoint(tiny_disk, 1, {"w": torch.ones(100)}, keep=3)
+    big = {"w": torch.ones(200_000)}  # 800 KB
+    with pytest.raises(CheckpointError) as error:
+        if background:
+            saver = AsyncCheckpointer()
+            saver.submit(tiny_disk, 2, big, keep=3)
+            saver.wait()
+        else:
+            save_checkpoint(tiny_disk, 2, big, keep=3)
+    assert "cannot write the checkpoint of step 2" in str(error.value)
+    assert "No space left on device" in str(error.value)
+    assert "the previous checkpoint (step 1) is intact" in str(error.value)
+    state, skipped = load_latest(tiny_disk)
+    assert skipped == [] and torch.equal(state["w"], torch.ones(100))
+    assert sorted(p.name for p in tiny_disk.iterdir()) == ["index.json", "step-00000001.pt"]
+
+
+def test_slow_fault_stretches_only_its_rank_in_every_attempt():
+    slow = Slow(rank=1, factor=3.0)
+    assert slow.after_step(5, 0, 0, compute_s=0.01) == 0.0
+    assert slow.after_step(5, 1, 2, compute_s=0.01) == pytest.approx(0.02)
+
+
+def test_failure_details_prefer_the_hang_that_caused_the_deaths():
+    records = [
+        {"attempt": 0, "rank": 0, "step": 4, "unix_time": 50.0},
+        {"attempt": 0, "rank": 1, "step": 4, "unix_time": 50.5},
+        {"attempt": 0, "rank": 0, "step": 5, "unix_time": 51.0},
+    ]
+    death = {"kind": "death", "attempt": 0, "ranks": [1], "detected_at": 60.0}
+    hang = {"kind": "hang", "attempt": 0, "ranks": [1], "step": 5, "stalled_since": 50.5,
+            "detected_at": 58.0}  # fmt: skip
+    got = failure_details([death, hang], records, attempt=0)
+    assert got["cause"] == "hang" and got["rank"] == 1 and got["failed_step"] == 5
+    assert got["detected_s"] == pytest.approx(7.5)
+    got = failure_details([death], records, attempt=0)
+    # A death: the rank's last record is its last sign of life; it died in the step after.
+    assert got["cause"] == "death" and got["failed_step"] == 5
+    assert got["detected_s"] == pytest.approx(9.5)
+    assert failure_details([death], records, attempt=1)["cause"] == "unknown"

@@ -9,7 +9,9 @@ autograd thread, and overlaps the returned future with the rest of backward. Rul
   several buckets on gloo, FIELD-NOTES.md).
 - So a multi-round compressor runs all rounds but the last blocking; the last round, like the
   one round of the others, stays asynchronous and overlaps with backward.
-- Callbacks only decode locally and record the collective's time and bytes (metrics/timers).
+- Callbacks only decode locally and record the collective's time and bytes (metrics/timers),
+  after ``fut.value()``: a failed collective (a dead peer) must fail the step, not hand DDP
+  a half-reduced buffer.
 """
 
 # No `from __future__ import annotations`: DDP inspects the hook's `bucket` annotation at run
@@ -43,6 +45,7 @@ def timed_allreduce_hook(
     sent = sent_bytes("all_reduce", nbytes(buffer), state.world_size)
 
     def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        fut.value()  # re-raises a failed collective (a dead peer): never return a stale buffer
         state.timer.record(start, state.timer.now(), sent)
         return buffer
 
@@ -87,6 +90,7 @@ def compressed_hook(
     sent = sent_bytes(compressor.collective, nbytes(payload), state.world_size)
 
     def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        fut.value()  # re-raises a failed collective
         compressor.decompress(key, result, grad)
         state.timer.record(
             start, state.timer.now(), sent, dense - dense_share * (compressor.rounds - 1)

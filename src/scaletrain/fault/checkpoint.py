@@ -4,7 +4,7 @@ Writes go to a temporary file in the same directory, are fsynced, renamed over t
 and the directory is fsynced so the rename itself survives a crash. Checkpoints are
 ``step-<N>.pt`` files listed with their sha256 in ``index.json``; loading takes the newest one
 whose bytes still match, with ``weights_only=True``. What goes into a checkpoint is the
-trainer's business (trainer.py); sharded state through DCP is the fault-tolerance issue's.
+trainer's business (trainer.py); ``AsyncCheckpointer`` writes it in the background.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import io
 import json
 import os
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,10 @@ def atomic_torch_save(path: Path, obj: Any) -> None:
 CHECKPOINT_INDEX = "index.json"
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions); the previous one stands."""
+
+
 def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     """Write ``state`` as step-<step>.pt and record it, with its sha256, in index.json.
 
@@ -63,15 +69,79 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int
     torch.save(state, buffer)
     data = buffer.getvalue()
     path = directory / f"step-{step:08d}.pt"
-    atomic_write_bytes(path, data)
     entries = [e for e in read_index(directory) if e["step"] != step]
-    entries.append({"step": step, "file": path.name, "sha256": hashlib.sha256(data).hexdigest()})
-    entries.sort(key=lambda e: e["step"])
-    kept, dropped = entries[-keep:], entries[:-keep]
-    atomic_write_json(directory / CHECKPOINT_INDEX, kept)
+    try:
+        atomic_write_bytes(path, data)
+        entries.append(
+            {"step": step, "file": path.name, "sha256": hashlib.sha256(data).hexdigest()}
+        )
+        entries.sort(key=lambda e: e["step"])
+        kept, dropped = entries[-keep:], entries[:-keep]
+        atomic_write_json(directory / CHECKPOINT_INDEX, kept)
+    except OSError as e:
+        previous = max((e["step"] for e in entries if e["file"] != path.name), default=None)
+        intact = f"step {previous}" if previous is not None else "none yet"
+        raise CheckpointError(
+            f"cannot write the checkpoint of step {step} to {directory}: {e.strerror} "
+            f"({len(data) / 1e6:.1f} MB); the previous checkpoint ({intact}) is intact. "
+            "Free space on that file system or choose another --out."
+        ) from None
     for entry in dropped:
         (directory / entry["file"]).unlink(missing_ok=True)
     return path
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of a checkpoint state that training can no longer change: every tensor cloned to
+    CPU memory, containers rebuilt, everything else shared (it is immutable or not touched)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+class AsyncCheckpointer:
+    """--checkpoint-async: the step waits only for ``snapshot``; serializing, writing, fsync
+    and the index update run in a background thread. One save is in flight at a time: a new
+    one first waits for the previous (so a slow disk cannot pile up snapshots in memory).
+    A save that fails (disk full) is reported by the next ``submit`` or by ``wait``, and, as
+    the writes are atomic, leaves the previous checkpoint and the index intact."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(
+        self,
+        directory: Path,
+        step: int,
+        state: dict[str, Any],
+        keep: int,
+        then: Callable[[Path], None] = lambda path: None,
+    ) -> None:
+        self.wait()
+        frozen = snapshot(state)
+
+        def write() -> None:
+            try:
+                then(save_checkpoint(directory, step, frozen, keep))
+            except BaseException as e:  # re-raised in the training thread by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=write, name="scaletrain-checkpoint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the save in flight is on disk; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def read_index(directory: Path) -> list[dict[str, Any]]:

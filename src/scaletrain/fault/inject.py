@@ -1,24 +1,53 @@
-"""Fault injection, a first-class utility: ``--inject kill:rank=1:step=7``, ``killnode:...``.
+"""Fault injection, a first-class utility: ``--inject kill:rank=1:step=7``, and so on.
 
 Specs are ``KIND:key=value:...``, several separated by commas. Kinds live in a registry, like
-strategies. An injector fires in the first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a
-restarted worker group does not fail again at the same place. Parsing is pure (no torch), so
-config validation can use it.
+strategies:
+
+- ``kill:rank=R:step=S``: SIGKILL rank R just before global step S, as when a machine dies.
+- ``killnode:rank=R:step=S``: SIGKILL rank R's elastic agent, then the rank (a node is gone).
+- ``hang:rank=R:step=S``: rank R stops before step S, alive and silent, never reaching the
+  step's collective (a deadlock, a stuck file system); the watchdog must notice.
+- ``slow:rank=R:factor=F``: every step of rank R takes F times its measured compute time
+  (slower hardware); in every attempt, since a slow machine stays slow.
+- ``corrupt-checkpoint:step=S``: damage the checkpoint of step S on disk right after it is
+  written (bit rot, a torn write); resuming must detect it and use an older one.
+
+One-shot faults (kill, killnode, hang, corrupt-checkpoint) fire in the first attempt only
+(TORCHELASTIC_RESTART_COUNT 0), so a restarted worker group does not fail again at the same
+place. Parsing is pure (no torch), so config validation can use it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class Fault:
+    """Hooks the trainer calls; each fault overrides the ones it needs."""
+
+    def before_step(self, step: int, rank: int, attempt: int) -> None:
+        return None
+
+    def after_step(self, step: int, rank: int, attempt: int, compute_s: float) -> float:
+        """Seconds this fault added to the step."""
+        return 0.0
+
+    def after_checkpoint(self, step: int, path: Path, attempt: int) -> None:
+        return None
+
+    def validate(self) -> str | None:
+        """What is wrong with the options, or None."""
+        return None
 
 
 @dataclass(frozen=True)
-class Kill:
-    """SIGKILL rank ``rank`` just before it runs global step ``step``: no cleanup, no error
-    file, peers blocked in the next collective, as when a machine dies."""
-
+class Kill(Fault):
     rank: int
     step: int
 
@@ -26,12 +55,13 @@ class Kill:
         if attempt == 0 and rank == self.rank and step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def validate(self) -> str | None:
+        return None if self.rank >= 0 and self.step >= 1 else "needs rank >= 0 and step >= 1"
+
 
 @dataclass(frozen=True)
 class KillNode(Kill):
-    """SIGKILL the elastic agent of rank ``rank``'s node, then the rank itself, before global
-    step ``step``: the whole node is gone (its other workers follow their agent, see
-    runtime.die_with_parent), as when a machine loses power."""
+    """Its other workers follow their agent (runtime.die_with_parent)."""
 
     def before_step(self, step: int, rank: int, attempt: int) -> None:
         if attempt == 0 and rank == self.rank and step == self.step:
@@ -39,27 +69,94 @@ class KillNode(Kill):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-INJECTORS: dict[str, Callable[..., Kill]] = {"kill": Kill, "killnode": KillNode}
+@dataclass(frozen=True)
+class Hang(Kill):
+    def before_step(self, step: int, rank: int, attempt: int) -> None:
+        if attempt == 0 and rank == self.rank and step == self.step:
+            while True:  # the watchdog thread keeps running: it is what must end this
+                time.sleep(3600)
 
 
-def parse_inject(spec: str) -> list[Kill]:
-    """'kill:rank=1:step=7,kill:rank=0:step=20' -> injectors. ValueError says what is valid."""
-    injectors = []
+@dataclass(frozen=True)
+class Slow(Fault):
+    rank: int
+    factor: float
+
+    def after_step(self, step: int, rank: int, attempt: int, compute_s: float) -> float:
+        if rank != self.rank:
+            return 0.0
+        delay = (self.factor - 1) * compute_s
+        time.sleep(delay)
+        return delay
+
+    def validate(self) -> str | None:
+        return None if self.rank >= 0 and self.factor >= 1 else "needs rank >= 0 and factor >= 1"
+
+
+@dataclass(frozen=True)
+class CorruptCheckpoint(Fault):
+    step: int
+
+    def after_checkpoint(self, step: int, path: Path, attempt: int) -> None:
+        if attempt == 0 and step == self.step:
+            with open(path, "r+b") as f:  # flip bytes in the middle: sizes stay, sha256 fails
+                f.seek(path.stat().st_size // 2)
+                chunk = f.read(64)
+                f.seek(-len(chunk), os.SEEK_CUR)
+                f.write(bytes(b ^ 0xFF for b in chunk))
+
+    def validate(self) -> str | None:
+        return None if self.step >= 1 else "needs step >= 1"
+
+
+INJECTORS: dict[str, type[Fault]] = {
+    "kill": Kill,
+    "killnode": KillNode,
+    "hang": Hang,
+    "slow": Slow,
+    "corrupt-checkpoint": CorruptCheckpoint,
+}
+EXAMPLES = (
+    "kill:rank=1:step=7, hang:rank=0:step=5, slow:rank=2:factor=3, corrupt-checkpoint:step=10"
+)
+
+
+def _build(kind: str, pairs: list[str]) -> Fault:
+    cls = INJECTORS[kind]
+    types = {f.name: f.type for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or key not in types:
+            raise ValueError(f"unknown option {pair!r}; {kind} takes {', '.join(types)}")
+        kind_of = float if types[key] in ("float", float) else int
+        try:
+            options[key] = kind_of(text)
+        except ValueError:
+            raise ValueError(f"{key} must be {'a number' if kind_of is float else 'an integer'}, "
+                             f"got {text!r}") from None  # fmt: skip
+    missing = set(types) - set(options)
+    if missing:
+        raise ValueError(f"missing {', '.join(sorted(missing))}; {kind} takes {', '.join(types)}")
+    return cls(**options)
+
+
+def parse_inject(spec: str) -> list[Fault]:
+    """'kill:rank=1:step=7,slow:rank=0:factor=2' -> faults. ValueError says what is valid."""
+    faults = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         kind, *pairs = item.split(":")
         if kind not in INJECTORS:
             raise ValueError(
                 f"inject: unknown fault {kind!r}; known: {', '.join(sorted(INJECTORS))} "
-                "(e.g. kill:rank=1:step=7)"
+                f"(e.g. {EXAMPLES})"
             )
         try:
-            options = {k: int(v) for k, v in (pair.split("=", 1) for pair in pairs)}
-            injector = INJECTORS[kind](**options)
-        except (ValueError, TypeError):
-            raise ValueError(
-                f"inject: cannot parse {item!r}; expected kill:rank=R:step=S"
-            ) from None
-        if injector.rank < 0 or injector.step < 1:
-            raise ValueError(f"inject: {item!r} needs rank >= 0 and step >= 1")
-        injectors.append(injector)
-    return injectors
+            fault = _build(kind, pairs)
+        except ValueError as e:
+            raise ValueError(f"inject: cannot parse {item!r}: {e}") from None
+        problem = fault.validate()
+        if problem:
+            raise ValueError(f"inject: {item!r} {problem}")
+        faults.append(fault)
+    return faults

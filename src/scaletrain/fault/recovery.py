@@ -8,7 +8,11 @@ describes, so the cursor in it never counts a sample whose update is not in the 
 Restart recovery: when any worker dies, torch's elastic agent stops the group and starts it
 again (``--max-restarts``), possibly with another world size (``--nnodes MIN:MAX``); every
 worker then loads the newest valid checkpoint and the sampler re-plans the rest of the epoch
-over the ranks there are now. All ranks restore rank 0's RNG state: they were seeded alike and
+over the ranks there are now. The recovery is recorded from DIR/logs/incidents.jsonl, where
+the launcher notes each death the agent detects and the watchdog each hang it detects:
+which rank, at which step, when it was detected (``detected_s``: from the rank's last sign of
+progress to detection) and, once the first step after the restart completes, ``resumed_s``
+(from detection to that step). All ranks restore rank 0's RNG state: they were seeded alike and
 draw alike in the loop, so this is exact for the built-in models; per-rank RNG (dropout that
 must differ between ranks) is left to the fault-tolerance issue, with DCP for sharded state.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -69,6 +74,48 @@ def checkpoint_state(
     }
 
 
+def read_incidents(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "logs" / "incidents.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+def failure_details(
+    incidents: list[dict[str, Any]], records: list[dict[str, Any]], attempt: int
+) -> dict[str, Any]:
+    """What ended ``attempt``: cause, rank(s), step, detection time. A hang (named by the
+    watchdog) explains the deaths it caused, so it wins over them."""
+    mine = [i for i in incidents if i.get("attempt") == attempt]
+    hangs = [i for i in mine if i["kind"] == "hang"]
+    if not mine:
+        return {"cause": "unknown", "rank": None, "ranks": [], "failed_step": None,
+                "detected_at": None, "detected_s": None, "resumed_s": None}  # fmt: skip
+    incident = hangs[0] if hangs else mine[0]
+    ranks = incident["ranks"]
+    last = [r for r in records if r.get("attempt") == attempt and (not ranks or r["rank"] in ranks)]
+    if incident["kind"] == "hang":
+        failed_step, since = incident["step"], incident["stalled_since"]
+    else:
+        failed_step = max((r["step"] for r in last), default=0) + 1
+        since = max((r.get("unix_time", 0.0) for r in last), default=0.0) or None
+    detected_at = incident["detected_at"]
+    return {
+        "cause": incident["kind"],
+        "rank": ranks[0] if ranks else None,
+        "ranks": ranks,
+        "failed_step": failed_step,
+        "detected_at": detected_at,
+        "detected_s": detected_at - since if since else None,
+        "resumed_s": None,
+    }
+
+
+def mark_resumed(progress: Progress) -> None:
+    """Called after the first step of a restarted attempt: the recovery is complete."""
+    entry = progress.recoveries[-1]
+    if entry.get("detected_at"):
+        entry["resumed_s"] = time.time() - entry["detected_at"]
+
+
 def resume(
     checkpoints: Path,
     strategy: Strategy,
@@ -94,7 +141,8 @@ def resume(
     sampler.load_state_dict(state["sampler"])
     set_rng_state(state["rng"])
     progress = Progress(**state["progress"])
-    reached = max((r["step"] for r in read_jsonl(metrics)), default=0) if metrics.exists() else 0
+    records = read_jsonl(metrics) if metrics.exists() else []
+    reached = max((r["step"] for r in records), default=0)
     progress.recoveries.append(
         {
             "kind": "restart",
@@ -103,6 +151,7 @@ def resume(
             "step": progress.step,
             "lost_steps": max(0, reached - progress.step),
             "skipped_checkpoints": len(skipped),
+            **failure_details(read_incidents(metrics.parent), records, attempt - 1),
         }
     )
     log.info(

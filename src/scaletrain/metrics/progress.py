@@ -141,6 +141,25 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def describe_recovery(r: dict[str, Any]) -> str:
+    """One line per recovery, e.g. 'rank 1 death before step 60: detected in 0.3 s, training
+    again 3.1 s later from the checkpoint of step 55 (4 steps redone)'."""
+    who = f"rank {r['rank']}" if r.get("rank") is not None else "a worker"
+    what = f"{who} {r.get('cause', 'failure')}"
+    if r.get("failed_step"):
+        what += f" at step {r['failed_step']}"
+    timing = []
+    if r.get("detected_s") is not None:
+        timing.append(f"detected in {r['detected_s']:.1f} s")
+    if r.get("resumed_s") is not None:
+        timing.append(f"training again {r['resumed_s']:.1f} s later")
+    where = f"from the checkpoint of step {r['step']}" if r.get("step") else "from the start"
+    return (
+        f"{r['kind']}: {what}; " + (", ".join(timing) + " " if timing else "") + where
+        + f" ({r.get('lost_steps', 0)} steps redone, {r.get('world_size')} workers)"
+    )  # fmt: skip
+
+
 def render_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     t = summary["time_breakdown"]
@@ -181,8 +200,15 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
                 else ""
             ),
         ),
+        (
+            "memory per rank",
+            f"training state {summary.get('max_rank_state_bytes', 0) / 1e6:.1f} MB "
+            f"(parameters, gradients, optimizer), process peak "
+            f"{summary.get('max_rank_peak_rss_bytes', 0) / 1e6:.0f} MB",
+        ),
         ("params sha256", summary["params_sha256"][:16] + "..."),
     ]
+    rows[-1:-1] = [("recovery", describe_recovery(r)) for r in summary.get("recoveries", [])]
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

@@ -12,13 +12,19 @@ steps; per_rank lists every rank's own totals.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+import resource
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from scaletrain.metrics.timers import overlap_ratio
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def params_sha256(model: nn.Module) -> str:
@@ -49,6 +55,8 @@ class RankTotals:
     dense_bytes: int = 0
     last_loss: float = float("nan")
     last_samples: int = 0
+    memory: dict[str, int] = field(default_factory=dict)  # Strategy.memory_bytes() at the end
+    peak_rss_bytes: int = 0
 
     def add(self, record: dict[str, Any]) -> None:
         self.steps += 1
@@ -105,6 +113,10 @@ def build_summary(
         "comm_bytes_per_step": sent / world / max(ranks[0].steps, 1),
         "compression_ratio": dense / sent if sent else None,
         "recoveries": progress.recoveries,
+        # The largest per-rank training state (params + grads + optimizer state) and process
+        # peak RSS (which also counts torch itself, data and activations).
+        "max_rank_state_bytes": max((sum(r.memory.values()) for r in ranks), default=0),
+        "max_rank_peak_rss_bytes": max(r.peak_rss_bytes for r in ranks),
         "params_sha256": params_hash,
         "per_rank": [asdict(r) for r in ranks],
     }

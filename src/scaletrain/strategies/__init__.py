@@ -8,12 +8,14 @@ from scaletrain.runtime import DistContext
 from scaletrain.strategies.base import Batch, StepResult, Strategy
 from scaletrain.strategies.ddp import DDPStrategy
 from scaletrain.strategies.diloco import DiLoCoStrategy
+from scaletrain.strategies.fsdp import FSDPStrategy
 from scaletrain.strategies.local_sgd import LocalSGDStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDPStrategy,
     "local_sgd": LocalSGDStrategy,
     "diloco": DiLoCoStrategy,
+    "fsdp": FSDPStrategy,
 }
 
 

@@ -51,9 +51,29 @@ class StepResult:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+def replica_memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """memory_bytes() of a strategy that keeps a whole replica on every rank."""
+
+    def size(tensors: Iterable[torch.Tensor | None]) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    params = list(module.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        "param_bytes": size(params),
+        "grad_bytes": size(p.grad for p in params),
+        "optimizer_bytes": size(state),
+    }
+
+
 class Strategy(ABC):
     # Whether gradients pass through DDP comm hooks, so --compression applies.
     supports_compression: ClassVar[bool] = False
+    # The collective a train step waits in, as hang reports name it (fault/watchdog.py).
+    collective: ClassVar[str] = "gradient all-reduce"
+    # Whether state_dict() is a collective (sharded state): then every rank calls it when a
+    # checkpoint is due, and rank 0 writes what it returns.
+    collective_state_dict: ClassVar[bool] = False
 
     def __init__(self, ctx: DistContext, cfg: RunConfig) -> None:
         self.ctx = ctx
@@ -75,6 +95,19 @@ class Strategy(ABC):
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint needs to continue training (weights, optimizer state)."""
+
+    @classmethod
+    def estimate_state_bytes(
+        cls, param_bytes: int, largest_unit_bytes: int, optimizer_copies: int, world_size: int
+    ) -> int:
+        """Per-rank training state before training starts (for --max-memory-per-rank):
+        parameters, gradients and ``optimizer_copies`` parameter-sized optimizer buffers. The
+        default is a whole replica on every rank."""
+        return param_bytes * (2 + optimizer_copies)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of training state this rank holds: param_bytes, grad_bytes, optimizer_bytes."""
+        return {}
 
     def finish(self) -> None:
         """Called once after the last step, before evaluation: e.g. a final synchronization

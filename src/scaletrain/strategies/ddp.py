@@ -26,7 +26,14 @@ from torch.nn.parallel import DistributedDataParallel
 from scaletrain.compression import build_compressor
 from scaletrain.compression.hook import HookState, compressed_hook, timed_allreduce_hook
 from scaletrain.metrics.timers import CommTimer
-from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult, Strategy
+from scaletrain.strategies.base import (
+    Batch,
+    LossFn,
+    OptimizerFactory,
+    StepResult,
+    Strategy,
+    replica_memory,
+)
 
 
 class DDPStrategy(Strategy):
@@ -51,6 +58,9 @@ class DDPStrategy(Strategy):
     @property
     def model(self) -> nn.Module:
         return self.ddp.module
+
+    def memory_bytes(self) -> dict[str, int]:
+        return replica_memory(self.ddp.module, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.ddp.module.state_dict(), "optimizer": self.optimizer.state_dict()}

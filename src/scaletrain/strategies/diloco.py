@@ -36,6 +36,13 @@ class DiLoCoStrategy(LocalSGDStrategy):
             nesterov=self.cfg.comm.outer_momentum > 0,
         )
 
+    @classmethod
+    def estimate_state_bytes(
+        cls, param_bytes: int, largest_unit_bytes: int, optimizer_copies: int, world_size: int
+    ) -> int:
+        # A replica, plus the global parameters and the outer momentum.
+        return param_bytes * (4 + optimizer_copies)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),

@@ -28,7 +28,14 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletrain.metrics.timers import sent_bytes
-from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult, Strategy
+from scaletrain.strategies.base import (
+    Batch,
+    LossFn,
+    OptimizerFactory,
+    StepResult,
+    Strategy,
+    replica_memory,
+)
 
 
 def float_buffers(model: nn.Module) -> list[torch.Tensor]:
@@ -36,6 +43,8 @@ def float_buffers(model: nn.Module) -> list[torch.Tensor]:
 
 
 class LocalSGDStrategy(Strategy):
+    collective = "parameter averaging (every --sync-every steps)"
+
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         self.module = model
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -49,6 +58,9 @@ class LocalSGDStrategy(Strategy):
     @property
     def model(self) -> nn.Module:
         return self.module
+
+    def memory_bytes(self) -> dict[str, int]:
+        return replica_memory(self.module, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         return {

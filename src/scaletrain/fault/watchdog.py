@@ -1,0 +1,225 @@
+"""Hang detection: heartbeats in the job's store, and a watchdog thread per worker that turns
+"no progress for --hang-timeout-s" into an error naming the rank, the step and the collective
+it did not reach, then ends the worker, so the elastic agent recovers as from a death.
+
+Each worker's trainer marks what it is doing (``enter(step, phase, collective)``); a thread
+publishes that mark once a second to the worker group's TCPStore (a client connection of its
+own: the server thread lives in rank 0 and answers even while rank 0's Python is blocked in a
+collective). When a worker's mark has not changed for the timeout, its watchdog reads every
+rank's heartbeat and names the culprits (``diagnose``, pure):
+
+- ranks whose heartbeat stopped (a frozen process: no Python thread runs any more), and
+- ranks busy outside any collective while others wait in one (the injected hang, a deadlock
+  in a data loader, a stuck file system).
+
+It writes the report to its log, to the agent's error file (so the launcher prints it) and to
+DIR/logs/incidents.jsonl (which the next attempt turns into summary.json's recoveries entry),
+and exits with status 75. Every waiting rank reaches the timeout at about the same time and
+does the same, so a hang ends even when the stuck rank cannot act. Without --max-restarts the
+run then fails with that report instead of sitting in a collective until gloo's own timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("scaletrain.watchdog")
+
+HANG_EXIT_CODE = 75
+BEAT_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Beat:
+    step: int
+    phase: str
+    collective: str  # the collective this phase ends in, or "" when it has none
+    since: float  # wall-clock time the phase began
+    published: float = 0.0  # wall-clock time of the last heartbeat
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    culprits: list[int]
+    step: int
+    collective: str
+    message: str
+    since: float  # wall-clock time the stall began (the culprits' last progress)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def diagnose(beats: dict[int, Beat | None], now: float, timeout_s: float) -> Diagnosis:
+    """Who stalls the job. ``beats`` holds every rank's last heartbeat (None: never seen)."""
+    silent = sorted(
+        r for r, b in beats.items() if b is None or now - b.published > 3 * BEAT_INTERVAL_S + 1
+    )
+    alive = {r: b for r, b in beats.items() if b is not None and r not in silent}
+    waiting = {r: b for r, b in alive.items() if b.collective}
+    busy = sorted(r for r, b in alive.items() if not b.collective)
+    culprits = sorted(silent + busy) if waiting else silent
+    if waiting:
+        step, collective = max((b.step, b.collective) for b in waiting.values())
+    else:
+        step = min((b.step for b in alive.values()), default=0)
+        collective = "its next collective"
+    stalled = max((now - b.since for b in alive.values()), default=timeout_s)
+    since = min(
+        [b.published if r in silent else b.since for r in culprits if (b := beats[r])]
+        or [now - stalled]
+    )
+    if not culprits:
+        return Diagnosis(
+            [], step, collective,
+            f"hang detected: {_ranks(sorted(waiting))} have waited {stalled:.0f} s in the "
+            f"{collective} of step {step}, which never completed; no rank is missing from it "
+            "(a network or backend problem?)", since,
+        )  # fmt: skip
+    parts = []
+    for r in culprits:
+        b = beats[r]
+        if b is None:
+            parts.append(f"rank {r} never sent a heartbeat")
+        elif r in silent:
+            parts.append(f"rank {r} stopped sending heartbeats {now - b.published:.0f} s ago "
+                         f"(at step {b.step}, {b.phase}): the process is frozen")  # fmt: skip
+        else:
+            parts.append(f"rank {r} has been in '{b.phase}' of step {b.step} for "
+                         f"{now - b.since:.0f} s")  # fmt: skip
+    others = sorted(waiting)
+    verb = "waits" if len(others) == 1 else "wait"
+    tail = f" while {_ranks(others)} {verb} in it" if others else ""
+    return Diagnosis(
+        culprits, step, collective,
+        f"hang detected: {_ranks(culprits)} did not reach the {collective} of step {step}{tail}: "
+        + "; ".join(parts) + f" (--hang-timeout-s {timeout_s:g})", since,
+    )  # fmt: skip
+
+
+def _connect_store(timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+class Watchdog:
+    def __init__(
+        self, *, rank: int, world_size: int, attempt: int, timeout_s: float, run_dir: Path
+    ) -> None:
+        self.rank, self.world_size, self.attempt = rank, world_size, attempt
+        self.timeout_s = timeout_s
+        self.run_dir = run_dir
+        self._beat = Beat(0, "starting", "", time.time())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="scaletrain-watchdog")
+        self._store: Any = None
+
+    def enter(self, step: int, phase: str, collective: str = "") -> None:
+        """Mark the start of a phase (one attribute assignment: cheap enough for every step)."""
+        self._beat = Beat(step, phase, collective, time.time())
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _key(self, rank: int) -> str:
+        return f"scaletrain/beat/{self.attempt}/{rank}"
+
+    def _publish(self) -> None:
+        beat = self._beat
+        payload = json.dumps({**asdict(beat), "published": time.time()})
+        try:
+            if self._store is None:
+                self._store = _connect_store(5.0)
+            self._store.set(self._key(self.rank), payload)
+        except Exception as e:  # the store's host may be gone; diagnose without it
+            log.debug("heartbeat not published: %s", e)
+
+    def _read_beats(self) -> dict[int, Beat | None]:
+        beats: dict[int, Beat | None] = {}
+        for rank in range(self.world_size):
+            beats[rank] = None
+            try:
+                if self._store is not None and self._store.check([self._key(rank)]):
+                    beats[rank] = Beat(**json.loads(self._store.get(self._key(rank))))
+            except Exception as e:
+                log.debug("heartbeat of rank %d unreadable: %s", rank, e)
+        if beats[self.rank] is None:  # our own view never depends on the store
+            beats[self.rank] = Beat(**{**asdict(self._beat), "published": time.time()})
+        return beats
+
+    def _loop(self) -> None:
+        while not self._stop.wait(BEAT_INTERVAL_S):
+            self._publish()
+            if time.time() - self._beat.since > self.timeout_s:
+                self._fire()
+
+    def _fire(self) -> None:
+        diagnosis = diagnose(self._read_beats(), time.time(), self.timeout_s)
+        log.error("%s", diagnosis.message)
+        self._record(diagnosis)
+        write_error_file(diagnosis.message)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(HANG_EXIT_CODE)
+
+    def _record(self, diagnosis: Diagnosis) -> None:
+        incident = {
+            "kind": "hang",
+            "attempt": self.attempt,
+            "reported_by": self.rank,
+            "ranks": diagnosis.culprits,
+            "step": diagnosis.step,
+            "collective": diagnosis.collective,
+            "stalled_since": diagnosis.since,
+            "detected_at": time.time(),
+            "message": diagnosis.message,
+        }
+        append_incident(self.run_dir, incident)
+
+
+def append_incident(run_dir: Path, incident: dict[str, Any]) -> None:
+    path = run_dir / "logs" / "incidents.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(incident) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def write_error_file(message: str) -> None:
+    """The agent's error file, in the format torch's @record writes, so the launcher's
+    failure report shows ``message`` instead of a bare exit code."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))},
+        }
+    }
+    with open(path, "w") as f:
+        json.dump(data, f)

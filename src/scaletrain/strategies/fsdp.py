@@ -1,0 +1,137 @@
+"""Sharded data parallelism (ZeRO-3) on torch's FSDP2 ``fully_shard``: every rank keeps 1/W
+of the parameters, gradients and optimizer state, and gathers a layer's parameters only while
+that layer runs.
+
+Sharding unit: every submodule that owns parameters directly (a Linear, a Conv, a norm) is
+one FSDP unit, then the root. A layer's parameters are all-gathered before its forward (and
+again before its backward), its gradients reduce-scattered after backward; the optimizer steps
+on the local shards (DTensors), so its state is sharded too.
+
+Gradient semantics as in ddp.py: each rank scales its mean loss by ``n_r * W / N`` and FSDP's
+reduce-scatter averages over W, which gives the gradient of the mean over all N samples.
+
+State: ``state_dict``/``load_state_dict`` move *full* (unsharded) tensors through torch's
+distributed state-dict API, so checkpoints are the same files as ddp's and a run can resume
+with another world size; producing one is a collective (``collective_state_dict``), so every
+rank takes part when a checkpoint is due and rank 0 writes it. ``finish`` gathers the final
+full weights into a plain replica of the model (built from a meta-device skeleton taken before
+sharding) for evaluation, hashing and final.pt: that replica needs the whole model in host
+memory on every rank once, at the end.
+
+Measurement: FSDP2 runs its collectives on its own schedule, with no hook to time them, so
+``comm_s`` stays 0 and the step's time is all ``compute_s``; ``comm_bytes`` is the textbook
+volume: two all-gathers (forward, backward) and one reduce-scatter of the parameters, each
+(W-1)/W of the parameter bytes per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult, Strategy
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+class FSDPStrategy(Strategy):
+    collective = "FSDP parameter all-gather / gradient reduce-scatter"
+    collective_state_dict = True
+
+    def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
+        self.skeleton = copy.deepcopy(model).to("meta")  # the plain architecture, no memory
+        self.param_bytes_full = sum(p.numel() * p.element_size() for p in model.parameters())
+        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        for module in model.modules():
+            if module is not model and any(True for _ in module.parameters(recurse=False)):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.module = model
+        self.optimizer = build_optimizer(model.parameters())
+        self.loss_fn = loss_fn
+        self.replica: nn.Module | None = None
+
+    @classmethod
+    def estimate_state_bytes(
+        cls, param_bytes: int, largest_unit_bytes: int, optimizer_copies: int, world_size: int
+    ) -> int:
+        # The shards, plus the largest unit's parameters and gradients while gathered.
+        return -(-param_bytes * (2 + optimizer_copies) // world_size) + 2 * largest_unit_bytes
+
+    @property
+    def model(self) -> nn.Module:
+        if self.replica is None:
+            raise RuntimeError("fsdp: the full model exists only after finish()")
+        return self.replica
+
+    def memory_bytes(self) -> dict[str, int]:
+        params = list(self.module.parameters())
+        return {
+            "param_bytes": local_bytes(params),
+            "grad_bytes": local_bytes(p.grad for p in params),
+            "optimizer_bytes": local_bytes(optimizer_tensors(self.optimizer)),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(self.module, options=FULL),
+            "optimizer": get_optimizer_state_dict(self.module, self.optimizer, options=FULL),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.module, state["model"], options=options)
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
+
+    def train_step(self, batch: Batch) -> StepResult:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
+        scale = batch.num_samples * self.ctx.world_size / batch.global_samples
+        (loss if scale == 1.0 else loss * scale).backward()
+        self.optimizer.step()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        world = self.ctx.world_size
+        return StepResult(
+            loss=loss.detach(),
+            compute_s=time.perf_counter() - start,
+            comm_s=0.0,
+            wait_s=0.0,
+            comm_bytes=3 * (world - 1) * self.param_bytes_full // world,
+        )
+
+    def finish(self) -> None:
+        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        replica = self.skeleton.to_empty(device=self.ctx.device)
+        replica.load_state_dict(full)
+        self.replica = replica
