@@ -38,6 +38,8 @@ BASE = [
     "32",
     "--seed",
     "0",
+    "--epochs",
+    "20",  # 23 steps per epoch: room for the faults and the 200 steps below
 ]
 
 
@@ -61,7 +63,7 @@ def recovery_times(tmp: Path, repeats: int) -> None:
     print("failure -> resumed, restart mode (median over repeats)")
     print(f"{'fault':<16} {'detected_s':>10} {'resumed_s':>10} {'total_s':>8}  floor")
     for name, extra in faults.items():
-        rows = []
+        rows: list[tuple[float, float]] = []
         for i in range(repeats):
             args = ["--max-steps", "60", "--checkpoint-every", "10", "--max-restarts", "1", *extra]
             summary = run(args, tmp / f"{name.split()[0]}-{i}")
