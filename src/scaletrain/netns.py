@@ -49,6 +49,12 @@ def unavailable_reason() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"iproute2's `{tool}` is not installed"
+    # Root in a container may still lack CAP_SYS_ADMIN / CAP_NET_ADMIN: try for real.
+    probe = f"{PREFIX}-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create network namespaces here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 

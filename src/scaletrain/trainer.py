@@ -31,7 +31,13 @@ from scaletrain.fault.checkpoint import (
     save_checkpoint,
 )
 from scaletrain.fault.inject import parse_inject
-from scaletrain.fault.recovery import Progress, checkpoint_state, mark_resumed, resume
+from scaletrain.fault.recovery import (
+    Progress,
+    checkpoint_state,
+    mark_resumed,
+    resume,
+    rng_state,
+)
 from scaletrain.fault.watchdog import Watchdog
 from scaletrain.metrics.sinks import JsonlSink
 from scaletrain.metrics.summary import RankTotals, build_summary, params_sha256, peak_rss_bytes
@@ -58,7 +64,10 @@ def make_loader(dataset: Dataset[Any], *, cuda: bool, **kwargs: Any) -> DataLoad
     base = dataset.dataset if isinstance(dataset, Subset) else dataset
     if isinstance(base, ImageDataset):
         kwargs["collate_fn"] = collate_batch
-    return DataLoader(dataset, pin_memory=cuda, **kwargs)
+    # Its own generator: iter(DataLoader) draws a base seed, which would otherwise come from
+    # the global RNG, so a run resumed mid-epoch (one extra iter) would shift every random
+    # stream (dropout masks) against the uninterrupted run.
+    return DataLoader(dataset, pin_memory=cuda, generator=torch.Generator(), **kwargs)
 
 
 class Trainer:
@@ -220,13 +229,18 @@ class Trainer:
         every = self.cfg.fault.checkpoint_every
         if not every or self.progress.step % every:
             return 0.0
-        collective = self.strategy.collective_state_dict  # sharded state: every rank gathers
-        if not (self.ctx.is_main or collective):
-            return 0.0
         step = self.progress.step
-        self.watchdog.enter(step, "writing a checkpoint", "state gather" if collective else "")
+        self.watchdog.enter(step, "writing a checkpoint", "checkpoint gather")
         started = time.perf_counter()
-        state = checkpoint_state(self.strategy, self.sampler, self.progress, self.cfg.hash())
+        # Every rank's RNG state goes into the checkpoint: one small gather on every rank.
+        rng_states: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(rng_states, rng_state())
+        # Sharded strategies gather their state collectively too; others only on rank 0.
+        if not (self.ctx.is_main or self.strategy.collective_state_dict):
+            return time.perf_counter() - started
+        state = checkpoint_state(
+            self.strategy, self.sampler, self.progress, self.cfg.hash(), rng_states
+        )
         if not self.ctx.is_main:
             return time.perf_counter() - started
         directory, keep = self.run_dir / "checkpoints", self.cfg.fault.keep_checkpoints

@@ -54,6 +54,19 @@ def test_killed_worker_restarts_from_checkpoint_with_identical_weights(tmp_path,
     assert_no_orphans(killed)
 
 
+def test_per_rank_random_streams_continue_exactly_after_a_restart(tmp_path):
+    """Dropout masks differ between ranks; each rank resumes its own RNG stream, so the
+    restarted run ends with the uninterrupted run's weights."""
+    task = ["--task", str(REPO / "tests" / "dist" / "tasks" / "dropout_task.py") + ":build_task"]
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    assert run_cli("run", *COMMON, *task, "--out", str(clean)).returncode == 0
+    result = run_cli("run", *COMMON, *task, "--checkpoint-every", "4", "--max-restarts", "1",
+                     "--inject", "kill:rank=0:step=10", "--out", str(killed))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert summary_of(killed)["recoveries"][0]["step"] == 8
+    assert summary_of(killed)["params_sha256"] == summary_of(clean)["params_sha256"]
+
+
 def test_hung_worker_is_detected_named_and_recovered(tmp_path, clean_hash):
     """Rank 1 stops before step 5 without dying; the watchdog names it, the group restarts."""
     hung = tmp_path / "hung"

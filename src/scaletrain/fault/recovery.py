@@ -1,9 +1,10 @@
 """What a checkpoint holds, and resuming from one after the elastic agent restarts workers.
 
 A checkpoint is the strategy's state (weights, optimizer), the sampler's (epoch, cursor), the
-loop's progress (step, epoch, samples trained, recoveries so far), rank 0's RNG states (torch,
-numpy, python) and the config hash. It is written by rank 0 after the optimizer step it
-describes, so the cursor in it never counts a sample whose update is not in the weights.
+loop's progress (step, epoch, samples trained, recoveries so far), every rank's RNG states
+(torch, numpy, python; gathered to rank 0 when the checkpoint is due) and the config hash.
+It is written by rank 0 after the optimizer step it describes, so the cursor in it never
+counts a sample whose update is not in the weights.
 
 Restart recovery: when any worker dies, torch's elastic agent stops the group and starts it
 again (``--max-restarts``), possibly with another world size (``--nnodes MIN:MAX``); every
@@ -12,9 +13,8 @@ over the ranks there are now. The recovery is recorded from DIR/logs/incidents.j
 the launcher notes each death the agent detects and the watchdog each hang it detects:
 which rank, at which step, when it was detected (``detected_s``: from the rank's last sign of
 progress to detection) and, once the first step after the restart completes, ``resumed_s``
-(from detection to that step). All ranks restore rank 0's RNG state: they were seeded alike and
-draw alike in the loop, so this is exact for the built-in models; per-rank RNG (dropout that
-must differ between ranks) is left to the fault-tolerance issue, with DCP for sharded state.
+(from detection to that step). Each rank restores its own RNG state, so per-rank randomness
+(dropout masks that differ between ranks) continues exactly.
 """
 
 from __future__ import annotations
@@ -63,13 +63,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def checkpoint_state(
-    strategy: Strategy, sampler: GlobalBatchSampler, progress: Progress, config_hash: str
+    strategy: Strategy,
+    sampler: GlobalBatchSampler,
+    progress: Progress,
+    config_hash: str,
+    rng_states: list[dict[str, Any]],
 ) -> dict[str, Any]:
+    """``rng_states``: every rank's rng_state(), in rank order (gathered by the trainer)."""
     return {
         "strategy": strategy.state_dict(),
         "sampler": sampler.state_dict(),
         "progress": asdict(progress),
-        "rng": rng_state(),
+        "rng": rng_states,
         "config_hash": config_hash,
     }
 
@@ -139,7 +144,10 @@ def resume(
         )
     strategy.load_state_dict(state["strategy"])
     sampler.load_state_dict(state["sampler"])
-    set_rng_state(state["rng"])
+    # Each rank continues its own random stream; a rank the saving world did not have (the
+    # job grew) takes rank 0's.
+    states = state["rng"]
+    set_rng_state(states[sampler.rank] if sampler.rank < len(states) else states[0])
     progress = Progress(**state["progress"])
     records = read_jsonl(metrics) if metrics.exists() else []
     reached = max((r["step"] for r in records), default=0)
