@@ -35,6 +35,8 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/ddp_overhead.py
+	$(BIN)/python benchmarks/compression.py
+	$(BIN)/python benchmarks/recovery.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -28,7 +28,10 @@ from scaletrain.fault.checkpoint import (
     AsyncCheckpointer,
     atomic_torch_save,
     atomic_write_json,
+    prune_rng_files,
+    rng_path,
     save_checkpoint,
+    snapshot,
 )
 from scaletrain.fault.inject import parse_inject
 from scaletrain.fault.recovery import (
@@ -225,34 +228,37 @@ class Trainer:
                 mark_resumed(self.progress)
 
     def _maybe_checkpoint(self) -> float:
-        """Save if this step is due (rank 0); returns the seconds the step was blocked."""
+        """Save if this step is due; returns the seconds this rank's step was blocked. Rank 0
+        writes the checkpoint; every rank writes its own RNG states beside it."""
         every = self.cfg.fault.checkpoint_every
         if not every or self.progress.step % every:
             return 0.0
-        step = self.progress.step
-        self.watchdog.enter(step, "writing a checkpoint", "checkpoint gather")
+        step, rank, main = self.progress.step, self.ctx.rank, self.ctx.is_main
+        collective = self.strategy.collective_state_dict  # sharded: every rank gathers state
+        self.watchdog.enter(step, "writing a checkpoint", "state gather" if collective else "")
         started = time.perf_counter()
-        # Every rank's RNG state goes into the checkpoint: one small gather on every rank.
-        rng_states: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(rng_states, rng_state())
-        # Sharded strategies gather their state collectively too; others only on rank 0.
-        if not (self.ctx.is_main or self.strategy.collective_state_dict):
-            return time.perf_counter() - started
-        state = checkpoint_state(
-            self.strategy, self.sampler, self.progress, self.cfg.hash(), rng_states
-        )
-        if not self.ctx.is_main:
-            return time.perf_counter() - started
         directory, keep = self.run_dir / "checkpoints", self.cfg.fault.keep_checkpoints
+        rng = rng_state()
+        state = None
+        if main or collective:
+            state = checkpoint_state(
+                self.strategy, self.sampler, self.progress, self.cfg.hash(), [rng]
+            )
+        if self.checkpointer is not None:
+            rng, state = snapshot(rng), snapshot(state) if main else None
 
-        def injected(path: Path) -> None:
-            for fault in self.faults:
-                fault.after_checkpoint(step, path, self.ctx.restart_count)
+        def write() -> None:
+            atomic_torch_save(rng_path(directory, step, rank), rng)
+            if main and state is not None:
+                path = save_checkpoint(directory, step, state, keep)
+                prune_rng_files(directory)
+                for fault in self.faults:
+                    fault.after_checkpoint(step, path, self.ctx.restart_count)
 
         if self.checkpointer is not None:
-            self.checkpointer.submit(directory, step, state, keep, then=injected)
+            self.checkpointer.submit(write)
         else:
-            injected(save_checkpoint(directory, step, state, keep))
+            write()
         blocked = time.perf_counter() - started
         self.checkpoint_s += blocked
         return blocked

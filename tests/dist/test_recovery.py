@@ -65,6 +65,10 @@ def test_per_rank_random_streams_continue_exactly_after_a_restart(tmp_path):
     assert result.returncode == 0, result.stderr
     assert summary_of(killed)["recoveries"][0]["step"] == 8
     assert summary_of(killed)["params_sha256"] == summary_of(clean)["params_sha256"]
+    # Each rank's RNG file of every checkpoint still listed, nothing of pruned ones.
+    index = json.loads((killed / "checkpoints" / "index.json").read_text())
+    files = sorted(p.name for p in (killed / "checkpoints" / "rng").iterdir())
+    assert files == sorted(f"step-{e['step']:08d}-rank{r}.pt" for e in index for r in (0, 1))
 
 
 def test_hung_worker_is_detected_named_and_recovered(tmp_path, clean_hash):

@@ -13,6 +13,7 @@ from scaletrain.fault.checkpoint import (
     load_latest,
     read_index,
     save_checkpoint,
+    snapshot,
 )
 from scaletrain.fault.inject import CorruptCheckpoint, Hang, Kill, KillNode, Slow, parse_inject
 from scaletrain.fault.recovery import failure_details
@@ -119,7 +120,8 @@ def test_diagnose_without_a_missing_rank_blames_the_collective():
 def test_async_checkpoint_saves_the_state_of_submit_time(tmp_path):
     weights = torch.zeros(1000)
     saver = AsyncCheckpointer()
-    saver.submit(tmp_path, 1, {"w": weights}, keep=2)
+    frozen = snapshot({"w": weights})
+    saver.submit(lambda: save_checkpoint(tmp_path, 1, frozen, keep=2))
     weights += 1  # training goes on while the write is in flight
     saver.wait()
     state, skipped = load_latest(tmp_path)
@@ -149,7 +151,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_says_so(tiny_disk, backgrou
     with pytest.raises(CheckpointError) as error:
         if background:
             saver = AsyncCheckpointer()
-            saver.submit(tiny_disk, 2, big, keep=3)
+            saver.submit(lambda: save_checkpoint(tiny_disk, 2, big, keep=3))
             saver.wait()
         else:
             save_checkpoint(tiny_disk, 2, big, keep=3)

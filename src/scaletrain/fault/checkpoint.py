@@ -104,44 +104,51 @@ def snapshot(obj: Any) -> Any:
 
 
 class AsyncCheckpointer:
-    """--checkpoint-async: the step waits only for ``snapshot``; serializing, writing, fsync
-    and the index update run in a background thread. One save is in flight at a time: a new
-    one first waits for the previous (so a slow disk cannot pile up snapshots in memory).
-    A save that fails (disk full) is reported by the next ``submit`` or by ``wait``, and, as
-    the writes are atomic, leaves the previous checkpoint and the index intact."""
+    """--checkpoint-async: the step waits only for ``snapshot`` (taken by the caller); the
+    write (serializing, fsync, index update) runs in a background thread. One write is in
+    flight at a time: a new one first waits for the previous (so a slow disk cannot pile up
+    snapshots in memory). A write that fails (disk full) is reported by the next ``submit``
+    or by ``wait``, and, as the writes are atomic, leaves the previous checkpoint intact."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(
-        self,
-        directory: Path,
-        step: int,
-        state: dict[str, Any],
-        keep: int,
-        then: Callable[[Path], None] = lambda path: None,
-    ) -> None:
+    def submit(self, write: Callable[[], None]) -> None:
         self.wait()
-        frozen = snapshot(state)
 
-        def write() -> None:
+        def run() -> None:
             try:
-                then(save_checkpoint(directory, step, frozen, keep))
+                write()
             except BaseException as e:  # re-raised in the training thread by wait()
                 self._error = e
 
-        self._thread = threading.Thread(target=write, name="scaletrain-checkpoint", daemon=True)
+        self._thread = threading.Thread(target=run, name="scaletrain-checkpoint", daemon=True)
         self._thread.start()
 
     def wait(self) -> None:
-        """Block until the save in flight is on disk; raise its error, if it failed."""
+        """Block until the write in flight is on disk; raise its error, if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+
+def rng_path(directory: Path, step: int, rank: int) -> Path:
+    """Where rank ``rank`` keeps its RNG states for the checkpoint of ``step``. Each rank
+    writes its own file: no collective on the checkpoint path, and rank 0's checkpoint keeps
+    its own states as the fallback for a rank whose file is missing."""
+    return directory / "rng" / f"step-{step:08d}-rank{rank}.pt"
+
+
+def prune_rng_files(directory: Path) -> None:
+    """Remove the RNG files of checkpoints no longer in the index."""
+    kept = {e["step"] for e in read_index(directory)}
+    for path in (directory / "rng").glob("step-*-rank*.pt"):
+        if int(path.name.split("-")[1]) not in kept:
+            path.unlink(missing_ok=True)
 
 
 def read_index(directory: Path) -> list[dict[str, Any]]:

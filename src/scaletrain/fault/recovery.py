@@ -2,7 +2,8 @@
 
 A checkpoint is the strategy's state (weights, optimizer), the sampler's (epoch, cursor), the
 loop's progress (step, epoch, samples trained, recoveries so far), every rank's RNG states
-(torch, numpy, python; gathered to rank 0 when the checkpoint is due) and the config hash.
+(torch, numpy, python; each rank writes its own file beside rank 0's checkpoint, which keeps
+rank 0's as the fallback) and the config hash.
 It is written by rank 0 after the optimizer step it describes, so the cursor in it never
 counts a sample whose update is not in the weights.
 
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from scaletrain.data.sampler import GlobalBatchSampler
-from scaletrain.fault.checkpoint import load_latest
+from scaletrain.fault.checkpoint import load_latest, rng_path
 from scaletrain.metrics.sinks import read_jsonl
 from scaletrain.strategies.base import Strategy
 
@@ -121,6 +122,26 @@ def mark_resumed(progress: Progress) -> None:
         entry["resumed_s"] = time.time() - entry["detected_at"]
 
 
+def progress_step(state: dict[str, Any]) -> int:
+    return int(state["progress"]["step"])
+
+
+def own_rng_state(
+    checkpoints: Path, step: int, rank: int, fallback: dict[str, Any]
+) -> dict[str, Any]:
+    """This rank's RNG states saved with the checkpoint of ``step``, so each rank continues its
+    own random stream; rank 0's (in the checkpoint itself) when this rank has no readable file
+    (it joined later, or died before writing it)."""
+    path = rng_path(checkpoints, step, rank)
+    try:
+        return cast(dict[str, Any], torch.load(path, weights_only=True))
+    except FileNotFoundError:
+        return fallback
+    except Exception as e:
+        log.warning("cannot read %s (%s); continuing with rank 0's random state", path, e)
+        return fallback
+
+
 def resume(
     checkpoints: Path,
     strategy: Strategy,
@@ -144,10 +165,7 @@ def resume(
         )
     strategy.load_state_dict(state["strategy"])
     sampler.load_state_dict(state["sampler"])
-    # Each rank continues its own random stream; a rank the saving world did not have (the
-    # job grew) takes rank 0's.
-    states = state["rng"]
-    set_rng_state(states[sampler.rank] if sampler.rank < len(states) else states[0])
+    set_rng_state(own_rng_state(checkpoints, progress_step(state), sampler.rank, state["rng"][0]))
     progress = Progress(**state["progress"])
     records = read_jsonl(metrics) if metrics.exists() else []
     reached = max((r["step"] for r in records), default=0)
