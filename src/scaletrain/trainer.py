@@ -29,6 +29,7 @@ from scaletrain.fault.checkpoint import (
     atomic_torch_save,
     atomic_write_json,
     prune_rng_files,
+    publish_dir,
     rng_path,
     save_checkpoint,
     snapshot,
@@ -234,23 +235,31 @@ class Trainer:
         if not every or self.progress.step % every:
             return 0.0
         step, rank, main = self.progress.step, self.ctx.rank, self.ctx.is_main
-        collective = self.strategy.collective_state_dict  # sharded: every rank gathers state
-        self.watchdog.enter(step, "writing a checkpoint", "state gather" if collective else "")
+        collective = self.strategy.collective_state_dict  # sharded state: every rank saves
+        self.watchdog.enter(step, "writing a checkpoint", "sharded save" if collective else "")
         started = time.perf_counter()
         directory, keep = self.run_dir / "checkpoints", self.cfg.fault.keep_checkpoints
         rng = rng_state()
+        shards = None
+        if collective:  # every rank writes its shards (synchronously: it is a collective)
+            name = f"step-{step:08d}.dcp"
+            tmp = directory / f".{name}.attempt{self.ctx.restart_count}.tmp"
+            self.strategy.save_sharded(tmp)
+            if main:
+                shards = {"dir": name, "sha256": publish_dir(tmp, directory / name)}
         state = None
-        if main or collective:
+        if main:
             state = checkpoint_state(
-                self.strategy, self.sampler, self.progress, self.cfg.hash(), [rng]
-            )
+                self.strategy, self.sampler, self.progress, self.cfg.hash(), [rng],
+                strategy_state={"sharded": True} if collective else None,
+            )  # fmt: skip
         if self.checkpointer is not None:
-            rng, state = snapshot(rng), snapshot(state) if main else None
+            rng, state = snapshot(rng), snapshot(state)
 
         def write() -> None:
             atomic_torch_save(rng_path(directory, step, rank), rng)
             if main and state is not None:
-                path = save_checkpoint(directory, step, state, keep)
+                path = save_checkpoint(directory, step, state, keep, shards=shards)
                 prune_rng_files(directory)
                 for fault in self.faults:
                     fault.after_checkpoint(step, path, self.ctx.restart_count)

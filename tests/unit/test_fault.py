@@ -11,6 +11,7 @@ from scaletrain.fault.checkpoint import (
     AsyncCheckpointer,
     CheckpointError,
     load_latest,
+    publish_dir,
     read_index,
     save_checkpoint,
     snapshot,
@@ -186,3 +187,21 @@ def test_failure_details_prefer_the_hang_that_caused_the_deaths():
     assert got["cause"] == "death" and got["failed_step"] == 5
     assert got["detected_s"] == pytest.approx(9.5)
     assert failure_details([death], records, attempt=1)["cause"] == "unknown"
+
+
+def test_sharded_checkpoint_dir_is_published_hashed_and_checked(tmp_path):
+    for step in (1, 2):
+        tmp = tmp_path / f".step-{step:08d}.dcp.attempt0.tmp"
+        tmp.mkdir()
+        (tmp / "__0_0.distcp").write_bytes(bytes([step]) * 100)
+        (tmp / ".metadata").write_bytes(b"meta")
+        digest = publish_dir(tmp, tmp_path / f"step-{step:08d}.dcp")
+        save_checkpoint(tmp_path, step, {"step": step}, keep=3,
+                        shards={"dir": f"step-{step:08d}.dcp", "sha256": digest})  # fmt: skip
+    state, skipped = load_latest(tmp_path)
+    assert skipped == [] and state["strategy"] == {"dcp": str(tmp_path / "step-00000002.dcp")}
+    (tmp_path / "step-00000002.dcp" / "__0_0.distcp").write_bytes(b"torn")
+    state, skipped = load_latest(tmp_path)
+    assert state["step"] == 1 and "shards missing or sha256 differs" in skipped[0]
+    save_checkpoint(tmp_path, 3, {"step": 3}, keep=1)  # dropping entries removes their shards
+    assert not (tmp_path / "step-00000001.dcp").exists()

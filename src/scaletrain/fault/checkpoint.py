@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
@@ -59,8 +60,38 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (disk full, permissions); the previous one stands."""
 
 
-def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
+def tree_sha256(root: Path) -> str:
+    """One digest over every file under ``root`` (relative names and bytes, in name order)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def publish_dir(tmp: Path, final: Path) -> str:
+    """Move a finished sharded checkpoint (a DCP directory) into place atomically; its digest."""
+    digest = tree_sha256(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    dir_fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return digest
+
+
+def save_checkpoint(
+    directory: Path,
+    step: int,
+    state: dict[str, Any],
+    keep: int,
+    shards: dict[str, str] | None = None,
+) -> Path:
     """Write ``state`` as step-<step>.pt and record it, with its sha256, in index.json.
+    ``shards`` ({"dir": name, "sha256": digest}) names a sharded part published beside it.
 
     The index is rewritten atomically after the checkpoint file is in place, so it only ever
     names complete files; it keeps the newest ``keep`` entries and older files are removed.
@@ -72,9 +103,10 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int
     entries = [e for e in read_index(directory) if e["step"] != step]
     try:
         atomic_write_bytes(path, data)
-        entries.append(
-            {"step": step, "file": path.name, "sha256": hashlib.sha256(data).hexdigest()}
-        )
+        entry = {"step": step, "file": path.name, "sha256": hashlib.sha256(data).hexdigest()}
+        if shards:
+            entry["shards"] = shards
+        entries.append(entry)
         entries.sort(key=lambda e: e["step"])
         kept, dropped = entries[-keep:], entries[:-keep]
         atomic_write_json(directory / CHECKPOINT_INDEX, kept)
@@ -86,8 +118,13 @@ def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int
             f"({len(data) / 1e6:.1f} MB); the previous checkpoint ({intact}) is intact. "
             "Free space on that file system or choose another --out."
         ) from None
-    for entry in dropped:
-        (directory / entry["file"]).unlink(missing_ok=True)
+    for old in dropped:
+        (directory / old["file"]).unlink(missing_ok=True)
+        if "shards" in old:
+            shutil.rmtree(directory / old["shards"]["dir"], ignore_errors=True)
+    for stale in directory.glob(".step-*.dcp.*.tmp"):  # left by a failed attempt
+        if stale.name.split(".dcp")[0][1:] != path.stem:
+            shutil.rmtree(stale, ignore_errors=True)
     return path
 
 
@@ -172,5 +209,14 @@ def load_latest(directory: Path) -> tuple[dict[str, Any] | None, list[str]]:
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             skipped.append(f"{path}: sha256 differs from {CHECKPOINT_INDEX}")
             continue
-        return torch.load(io.BytesIO(data), weights_only=True), skipped
+        shards = entry.get("shards")
+        if shards:
+            shard_dir = directory / shards["dir"]
+            if not shard_dir.is_dir() or tree_sha256(shard_dir) != shards["sha256"]:
+                skipped.append(f"{shard_dir}: shards missing or sha256 differs")
+                continue
+        state = torch.load(io.BytesIO(data), weights_only=True)
+        if shards:  # the strategy loads its sharded part from here (every rank reads it)
+            state["strategy"] = {"dcp": str(directory / shards["dir"])}
+        return state, skipped
     return None, skipped

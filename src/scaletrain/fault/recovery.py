@@ -69,10 +69,13 @@ def checkpoint_state(
     progress: Progress,
     config_hash: str,
     rng_states: list[dict[str, Any]],
+    strategy_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``rng_states``: every rank's rng_state(), in rank order (gathered by the trainer)."""
+    """``rng_states``: rank 0's rng_state() (the fallback; each rank also writes its own).
+    ``strategy_state`` replaces strategy.state_dict() (a marker, for sharded strategies whose
+    state lives in a DCP directory beside the checkpoint)."""
     return {
-        "strategy": strategy.state_dict(),
+        "strategy": strategy.state_dict() if strategy_state is None else strategy_state,
         "sampler": sampler.state_dict(),
         "progress": asdict(progress),
         "rng": rng_states,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -71,8 +72,8 @@ class Strategy(ABC):
     supports_compression: ClassVar[bool] = False
     # The collective a train step waits in, as hang reports name it (fault/watchdog.py).
     collective: ClassVar[str] = "gradient all-reduce"
-    # Whether state_dict() is a collective (sharded state): then every rank calls it when a
-    # checkpoint is due, and rank 0 writes what it returns.
+    # Sharded state: when a checkpoint is due every rank calls save_sharded(dir) (a collective,
+    # through torch.distributed.checkpoint), and load_state_dict receives {"dcp": dir}.
     collective_state_dict: ClassVar[bool] = False
 
     def __init__(self, ctx: DistContext, cfg: RunConfig) -> None:
@@ -104,6 +105,10 @@ class Strategy(ABC):
         parameters, gradients and ``optimizer_copies`` parameter-sized optimizer buffers. The
         default is a whole replica on every rank."""
         return param_bytes * (2 + optimizer_copies)
+
+    def save_sharded(self, path: Path) -> None:
+        """Strategies with collective_state_dict: write this rank's shards under ``path``."""
+        raise NotImplementedError
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of training state this rank holds: param_bytes, grad_bytes, optimizer_bytes."""

@@ -10,10 +10,11 @@ on the local shards (DTensors), so its state is sharded too.
 Gradient semantics as in ddp.py: each rank scales its mean loss by ``n_r * W / N`` and FSDP's
 reduce-scatter averages over W, which gives the gradient of the mean over all N samples.
 
-State: ``state_dict``/``load_state_dict`` move *full* (unsharded) tensors through torch's
-distributed state-dict API, so checkpoints are the same files as ddp's and a run can resume
-with another world size; producing one is a collective (``collective_state_dict``), so every
-rank takes part when a checkpoint is due and rank 0 writes it. ``finish`` gathers the final
+State: checkpoints are sharded, through torch.distributed.checkpoint (DCP): every rank writes
+its own shards of the model and optimizer state into one directory (``save_sharded``, a
+collective), which rank 0 then publishes atomically beside the trainer's small checkpoint
+file, hashed as a whole; DCP reshards on load, so a run can resume with another world size.
+``state_dict``/``load_state_dict`` also move full (unsharded) tensors. ``finish`` gathers the final
 full weights into a plain replica of the model (built from a meta-device skeleton taken before
 sharding) for evaluation, hashing and final.pt: that replica needs the whole model in host
 memory on every rank once, at the end.
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -107,7 +110,22 @@ class FSDPStrategy(Strategy):
             "optimizer": get_optimizer_state_dict(self.module, self.optimizer, options=FULL),
         }
 
+    def _sharded(self) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(self.module),
+            "optimizer": get_optimizer_state_dict(self.module, self.optimizer),
+        }
+
+    def save_sharded(self, path: Path) -> None:
+        dcp.save(self._sharded(), checkpoint_id=str(path))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "dcp" in state:  # a sharded checkpoint: DCP reshards it for this world size
+            sharded = self._sharded()
+            dcp.load(sharded, checkpoint_id=state["dcp"])
+            set_model_state_dict(self.module, sharded["model"])
+            set_optimizer_state_dict(self.module, self.optimizer, sharded["optimizer"])
+            return
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.module, state["model"], options=options)
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
