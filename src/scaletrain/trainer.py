@@ -30,6 +30,7 @@ from scaletrain.fault.checkpoint import (
     atomic_write_json,
     prune_rng_files,
     publish_dir,
+    remove_unfinished,
     rng_path,
     save_checkpoint,
     snapshot,
@@ -119,6 +120,8 @@ class Trainer:
         )
         self.progress = resumed or self.progress
         self.resuming = resumed is not None
+        if self.ctx.is_main:  # no rank can save before step 1, which needs rank 0
+            remove_unfinished(self.run_dir / "checkpoints")
         self.total_steps = self._total_steps()
         self.watchdog.start()
         log.info(

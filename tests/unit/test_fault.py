@@ -13,6 +13,7 @@ from scaletrain.fault.checkpoint import (
     load_latest,
     publish_dir,
     read_index,
+    remove_unfinished,
     save_checkpoint,
     snapshot,
 )
@@ -205,3 +206,6 @@ def test_sharded_checkpoint_dir_is_published_hashed_and_checked(tmp_path):
     assert state["step"] == 1 and "shards missing or sha256 differs" in skipped[0]
     save_checkpoint(tmp_path, 3, {"step": 3}, keep=1)  # dropping entries removes their shards
     assert not (tmp_path / "step-00000001.dcp").exists()
+    (tmp_path / ".step-00000004.dcp.attempt0.tmp").mkdir()  # a save cut short by a crash
+    remove_unfinished(tmp_path)
+    assert not list(tmp_path.glob(".step-*.tmp"))

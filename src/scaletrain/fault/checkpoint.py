@@ -122,10 +122,14 @@ def save_checkpoint(
         (directory / old["file"]).unlink(missing_ok=True)
         if "shards" in old:
             shutil.rmtree(directory / old["shards"]["dir"], ignore_errors=True)
-    for stale in directory.glob(".step-*.dcp.*.tmp"):  # left by a failed attempt
-        if stale.name.split(".dcp")[0][1:] != path.stem:
-            shutil.rmtree(stale, ignore_errors=True)
     return path
+
+
+def remove_unfinished(directory: Path) -> None:
+    """Delete sharded checkpoints a failed attempt left half-written (never published). Call
+    only when no save can be in flight: at the start of an attempt, before the first step."""
+    for stale in directory.glob(".step-*.dcp.*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def snapshot(obj: Any) -> Any:
