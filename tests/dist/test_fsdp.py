@@ -4,10 +4,14 @@ per rank, and checkpoints that survive a restart. Real processes, real gloo coll
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import assert_no_orphans, run_cli
+from tests.conftest import REPO, assert_no_orphans, run_cli
 from tests.dist.test_equivalence import train
 
 
@@ -56,3 +60,33 @@ def test_fsdp_checkpoint_restart_gives_identical_weights(tmp_path):
     assert summaries[1]["recoveries"][0]["step"] == 8
     assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
     assert_no_orphans(killed)
+
+
+def test_fsdp_resumes_from_sharded_checkpoint_with_fewer_ranks(tmp_path):
+    """Two nodes, one rank each; node 1 is lost. The survivor re-forms a world of one and
+    loads the checkpoint both ranks wrote as shards: DCP reshards it for one rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"  # one run directory on a file system both "nodes" share
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    nodes = []
+    for node in (0, 1):
+        args = ["run", "--nnodes", "1:2", "--node-rank", str(node), "--nproc-per-node", "1",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fsdp-elastic",
+                "--strategy", "fsdp", "--max-restarts", "3", "--checkpoint-every", "2",
+                "--num-samples", "400", "--batch-size", "8", "--inject", "killnode:rank=1:step=6",
+                "--keep-checkpoints", "100", "--timeout-s", "60", "--out", str(out)]  # fmt: skip
+        nodes.append(subprocess.Popen([sys.executable, "-m", "scaletrain", *args], cwd=REPO,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, stdin=subprocess.DEVNULL))  # fmt: skip
+    outputs = [p.communicate(timeout=240) for p in nodes]
+    assert nodes[1].returncode == -9  # the lost node
+    assert nodes[0].returncode == 0, outputs[0]
+    summary = json.loads((out / "summary.json").read_text())
+    [recovery] = summary["recoveries"]
+    assert recovery["world_size"] == 1 and recovery["step"] == 4
+    assert summary["world_size"] == 1 and summary["samples"] == 400
+    assert (out / "checkpoints" / "step-00000004.dcp" / "__1_0.distcp").exists()  # 2 shards
+    assert summary["test_accuracy"] is not None
+    assert_no_orphans(out)
