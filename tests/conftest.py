@@ -60,3 +60,39 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
         cwd=REPO,
         stdin=subprocess.DEVNULL,
     )
+
+
+def start_local_nodes(num_nodes: int, args: list[str], rdzv_id: str) -> list[subprocess.Popen[str]]:
+    """``scaletrain run ARGS`` once per "node" on this machine, as torchrun users start one per
+    host: --node-rank i and a shared c10d rendezvous on a free loopback port (node 0 hosts it).
+    Communicate with a timeout: a hang fails the test."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "scaletrain",
+                "run",
+                *args,
+                "--node-rank",
+                str(node),
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                rdzv_id,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        for node in range(num_nodes)
+    ]

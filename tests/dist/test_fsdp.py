@@ -4,14 +4,10 @@ per rank, and checkpoints that survive a restart. Real processes, real gloo coll
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, assert_no_orphans, run_cli
+from tests.conftest import assert_no_orphans, run_cli, start_local_nodes
 from tests.dist.test_equivalence import train
 
 
@@ -65,21 +61,12 @@ def test_fsdp_checkpoint_restart_gives_identical_weights(tmp_path):
 def test_fsdp_resumes_from_sharded_checkpoint_with_fewer_ranks(tmp_path):
     """Two nodes, one rank each; node 1 is lost. The survivor re-forms a world of one and
     loads the checkpoint both ranks wrote as shards: DCP reshards it for one rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "run"  # one run directory on a file system both "nodes" share
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    nodes = []
-    for node in (0, 1):
-        args = ["run", "--nnodes", "1:2", "--node-rank", str(node), "--nproc-per-node", "1",
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fsdp-elastic",
-                "--strategy", "fsdp", "--max-restarts", "3", "--checkpoint-every", "2",
-                "--num-samples", "400", "--batch-size", "8", "--inject", "killnode:rank=1:step=6",
-                "--keep-checkpoints", "100", "--timeout-s", "60", "--out", str(out)]  # fmt: skip
-        nodes.append(subprocess.Popen([sys.executable, "-m", "scaletrain", *args], cwd=REPO,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, stdin=subprocess.DEVNULL))  # fmt: skip
+    args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--strategy", "fsdp",
+            "--max-restarts", "3", "--checkpoint-every", "2", "--num-samples", "400",
+            "--batch-size", "8", "--inject", "killnode:rank=1:step=6", "--keep-checkpoints", "100",
+            "--timeout-s", "60", "--out", str(out)]  # fmt: skip
+    nodes = start_local_nodes(2, args, "fsdp-elastic")
     outputs = [p.communicate(timeout=240) for p in nodes]
     assert nodes[1].returncode == -9  # the lost node
     assert nodes[0].returncode == 0, outputs[0]

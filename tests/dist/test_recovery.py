@@ -10,14 +10,10 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO, assert_no_orphans, run_cli
+from tests.conftest import REPO, assert_no_orphans, run_cli, start_local_nodes
 
 
 def summary_of(out):
@@ -118,22 +114,13 @@ def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, c
 
 
 def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "run"  # one run directory on a file system all "nodes" share
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    nodes = []
-    for node in (0, 1, 2):
-        args = ["run", "--nnodes", "2:3", "--node-rank", str(node), "--nproc-per-node", "1",
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-                "--max-restarts", "3", "--checkpoint-every", "1", "--log-sample-ids",
-                "--dataset", "digits", "--num-samples", "600", "--batch-size", "8",
-                "--epochs", "1", "--inject", "killnode:rank=2:step=8", "--timeout-s", "60",
-                "--out", str(out)]  # fmt: skip
-        nodes.append(subprocess.Popen([sys.executable, "-m", "scaletrain", *args], cwd=REPO,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, stdin=subprocess.DEVNULL))  # fmt: skip
+    args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
+            "--checkpoint-every", "1", "--log-sample-ids", "--dataset", "digits",
+            "--num-samples", "600", "--batch-size", "8", "--epochs", "1",
+            "--inject", "killnode:rank=2:step=8", "--timeout-s", "60",
+            "--out", str(out)]  # fmt: skip
+    nodes = start_local_nodes(3, args, "elastic-test")
     outputs = [p.communicate(timeout=240) for p in nodes]
     assert nodes[2].returncode == -9  # the lost node
     assert [nodes[0].returncode, nodes[1].returncode] == [0, 0], outputs[:2]
