@@ -117,6 +117,7 @@ class ProgressView:
             f"{fields['rate']} samples/s comm {fields['comm']} overlap {fields['overlap']} "
             f"{fields['mb']} MB/step",
             highlight=False,
+            soft_wrap=True,  # one line per report in a log, however narrow the console
         )
 
     def rate(self) -> float:
