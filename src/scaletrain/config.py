@@ -244,6 +244,40 @@ class CommSection:
         )
 
 
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(kw_only=True)
+class ParallelSection:
+    """Model parallelism: how the model itself is split over ranks (pipeline, tensor)."""
+
+    stages: int = field(
+        default=0, metadata={"help": "pipeline: stages per pipeline (0: world size)"}
+    )
+    microbatches: int = field(
+        default=4, metadata={"help": "pipeline: microbatches each batch is cut into"}
+    )
+    schedule: str = field(default="1f1b", metadata={"help": "pipeline: gpipe or 1f1b"})
+    split_points: str = field(
+        default="",
+        metadata={
+            "help": "pipeline: top-level layers that begin stages 2..P, comma-separated "
+            "(default: balanced by parameter count)"
+        },
+    )
+    tp: int = field(default=1, metadata={"help": "tensor: ranks per tensor-parallel group"})
+
+    def __post_init__(self) -> None:
+        _require(self.stages >= 0, "stages", f"must be >= 0, got {self.stages}")
+        _require(self.microbatches >= 1, "microbatches", f"must be >= 1, got {self.microbatches}")
+        _require(
+            self.schedule in SCHEDULES,
+            "schedule",
+            f"must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}",
+        )
+        _require(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+
+
 SECTIONS: dict[str, type] = {
     "launch": LaunchSection,
     "train": TrainSection,
@@ -252,6 +286,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimSection,
     "fault": FaultSection,
     "comm": CommSection,
+    "parallel": ParallelSection,
 }
 
 
@@ -265,6 +300,24 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     fault: FaultSection = field(default_factory=FaultSection)
     comm: CommSection = field(default_factory=CommSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+
+    def __post_init__(self) -> None:
+        """Checks that span sections (world-size checks wait for the launcher)."""
+        if self.train.strategy == "pipeline":
+            m = self.parallel.microbatches
+            _require(
+                self.train.batch_size % m == 0,
+                "microbatches",
+                f"{m} does not divide the batch size {self.train.batch_size}: every "
+                "microbatch must have the same size",
+            )
+            _require(
+                self.train.drop_last,
+                "drop_last",
+                "pipeline needs --drop-last: every step must cut into microbatches of one "
+                "shape, so the epoch's last incomplete batch is dropped",
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

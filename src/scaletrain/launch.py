@@ -74,6 +74,27 @@ def check_names(cfg: RunConfig) -> None:
             lookup(DATASETS, cfg.data.dataset, "dataset")
 
 
+def check_strategy(cfg: RunConfig) -> None:
+    """The strategy's own checks (world-size shape, model split) and --max-memory-per-rank,
+    for every world size the run may have (each node count of an elastic MIN:MAX)."""
+    from scaletrain.strategies import STRATEGIES
+
+    strategy = STRATEGIES[cfg.train.strategy]
+    lo, hi = parse_nnodes(cfg.launch.nnodes)
+    worlds = sorted({cfg.launch.nproc_per_node * n for n in range(lo, hi + 1)})
+    model = None
+    if strategy.checks_model or cfg.train.max_memory_per_rank:
+        from scaletrain.task import build_task
+
+        model = build_task(cfg).model
+    for world in worlds:
+        strategy.check_config(cfg, world, model if strategy.checks_model else None)
+    if cfg.train.max_memory_per_rank and model is not None:
+        from scaletrain.memory_budget import check_memory_budget
+
+        check_memory_budget(cfg, model, worlds[-1])
+
+
 def check_shards(root: Path, *, verify: bool) -> None:
     """Open every split once here, so a missing, truncated or corrupted shard stops the run
     before anything is written, and the (slow) sha256 check runs once, not once per worker."""
@@ -242,12 +263,7 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     from scaletrain.metrics.progress import ProgressView
 
     check_names(cfg)
-    if cfg.train.max_memory_per_rank:
-        from scaletrain.memory_budget import check_memory_budget
-        from scaletrain.task import build_task
-
-        world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[1]
-        check_memory_budget(cfg, build_task(cfg).model, world)
+    check_strategy(cfg)
     cfg, run_dir = prepare_run_dir(cfg)
     launch_config = build_launch_config(cfg, run_dir)
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)

@@ -20,34 +20,26 @@ def optimizer_copies(cfg: RunConfig) -> int:
     return 2
 
 
-def unit_bytes(model: nn.Module) -> tuple[int, int]:
-    """(all parameter bytes, the largest module's own parameter bytes: an FSDP unit)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    largest = max(
-        (sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
-         for m in model.modules()),
-        default=0,
-    )  # fmt: skip
-    return total, largest
-
-
 def mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
 def check_memory_budget(cfg: RunConfig, model: nn.Module, world_size: int) -> dict[str, int]:
-    """Every strategy's estimate; ValueError when the configured one exceeds the budget."""
+    """Every strategy's estimate (leaving out those that cannot run this model, e.g. pipeline
+    on a model that is not Sequential); ValueError when the configured one exceeds the budget."""
     from scaletrain.strategies import STRATEGIES
+    from scaletrain.strategies.base import model_bytes
 
-    params, largest = unit_bytes(model)
+    params = model_bytes(model)
     copies = optimizer_copies(cfg)
     estimates = {
-        name: cls.estimate_state_bytes(params, largest, copies, world_size)
+        name: estimate
         for name, cls in STRATEGIES.items()
+        if (estimate := cls.estimate_state_bytes(model, copies, cfg, world_size)) is not None
     }
     budget = cfg.train.max_memory_per_rank
     chosen = cfg.train.strategy
-    if budget and estimates[chosen] > budget:
+    if budget and chosen in estimates and estimates[chosen] > budget:
         fits = [f"{n} ({mb(e)})" for n, e in sorted(estimates.items(), key=lambda x: x[1])
                 if e <= budget]  # fmt: skip
         advice = (

@@ -84,10 +84,13 @@ class Trainer:
             lambda params: build_optimizer(task, params, cfg),
             task.loss_fn,
         )
+        # Data-parallel position: pipeline stages and tensor-parallel peers share a batch.
+        self.data_rank = self.strategy.data_rank
+        self.data_world_size = self.strategy.data_world_size
         self.sampler = GlobalBatchSampler(
             len(task.train_data),  # type: ignore[arg-type]
-            world_size=ctx.world_size,
-            rank=ctx.rank,
+            world_size=self.data_world_size,
+            rank=self.data_rank,
             batch_size=cfg.train.batch_size,
             seed=cfg.train.seed,
             drop_last=cfg.train.drop_last,
@@ -176,13 +179,13 @@ class Trainer:
             inputs, targets = to_device(next(batches), self.ctx.device)
             data_s = time.perf_counter() - t0
             global_samples = step_end - step_start
-            samples = split_counts(global_samples, self.ctx.world_size)[self.ctx.rank]
+            share = split_counts(global_samples, self.data_world_size)[self.data_rank]
             self.watchdog.enter(step, "train step", self.strategy.collective)
             result = self.strategy.train_step(
                 Batch(
                     inputs=inputs,
                     targets=targets,
-                    num_samples=samples,
+                    num_samples=share,
                     global_samples=global_samples,
                 )
             )
@@ -195,6 +198,8 @@ class Trainer:
             self.progress.step += 1
             self.progress.samples_trained += global_samples
             checkpoint_s = self._maybe_checkpoint()
+            # One rank per data-parallel replica reports its samples and loss.
+            samples = share if self.strategy.reports_samples else 0
             record = {
                 "step": self.progress.step,
                 "epoch": self.progress.epoch,
@@ -223,8 +228,8 @@ class Trainer:
                 **result.extras,
             }
             if order is not None:
-                lo, hi = rank_slice(step_start, step_end, self.ctx.world_size, self.ctx.rank)
-                record["sample_ids"] = order[lo:hi].tolist()
+                lo, hi = rank_slice(step_start, step_end, self.data_world_size, self.data_rank)
+                record["sample_ids"] = order[lo:hi].tolist() if samples else []
             sink.write(record)
             self.totals.add(record)
             if self.resuming:  # the first step after a restart: recovery complete
@@ -326,7 +331,8 @@ class Trainer:
                 "backend": self.ctx.backend,
                 "device": self.ctx.device.type,
                 "batch_size_per_worker": self.cfg.train.batch_size,
-                "global_batch_size": self.cfg.train.batch_size * self.ctx.world_size,
+                "global_batch_size": self.cfg.train.batch_size * self.data_world_size,
+                **self.strategy.summary_info(),
                 "epochs": self.cfg.train.epochs,
                 "steps_per_epoch": self.sampler.steps_per_epoch(),
                 "config_hash": self.cfg.hash(),

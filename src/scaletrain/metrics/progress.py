@@ -31,6 +31,7 @@ class ProgressView:
         self.window: deque[dict[str, Any]] = deque(maxlen=window)
         self._offset = 0
         self._partial = b""
+        self._loss: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="scaletrain-progress")
         self._progress = Progress(
@@ -88,12 +89,15 @@ class ProgressView:
         for record in self._new_records():
             if record.get("rank") == 0:
                 self.window.append(record)
+            # Under pipeline parallelism only the last stage has a loss: take any rank's.
+            if record.get("loss") is not None:
+                self._loss = record["loss"]
         if not self.window:
             return
         last = self.window[-1]
         fields = {
             "epoch": last["epoch"] + 1,
-            "loss": "-" if last["loss"] is None else f"{last['loss']:.4f}",
+            "loss": "-" if self._loss is None else f"{self._loss:.4f}",
             "rate": f"{self.rate():,.0f}",
             "comm": f"{self.comm_share():.0%}",
             "overlap": f"{self.mean('overlap'):.0%}",
@@ -209,6 +213,14 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
         ),
         ("params sha256", summary["params_sha256"][:16] + "..."),
     ]
+    if pipe := summary.get("pipeline"):
+        rows.insert(1, (
+            "pipeline",
+            f"{pipe['stages']} stages x {pipe['data_parallel']} data parallel, "
+            f"{pipe['microbatches']} microbatches ({pipe['schedule']}); bubble "
+            f"{_fmt(pipe['bubble_measured'], '.0%')} measured, "
+            f"{pipe['bubble_theoretical']:.0%} in theory",
+        ))  # fmt: skip
     rows[-1:-1] = [("recovery", describe_recovery(r)) for r in summary.get("recoveries", [])]
     for name, value in rows:
         table.add_row(name, value)

@@ -57,6 +57,10 @@ class RankTotals:
     last_samples: int = 0
     memory: dict[str, int] = field(default_factory=dict)  # Strategy.memory_bytes() at the end
     peak_rss_bytes: int = 0
+    # Pipeline stages: seconds computing and idle, leaving out the attempt's first step (it
+    # also infers the shapes between stages).
+    stage_busy_s: float = 0.0
+    stage_idle_s: float = 0.0
 
     def add(self, record: dict[str, Any]) -> None:
         self.steps += 1
@@ -69,6 +73,9 @@ class RankTotals:
         self.last_samples = record["samples"]
         if record["samples"]:
             self.last_loss = record["loss"]
+        if "stage_busy_s" in record and self.steps > 1:
+            self.stage_busy_s += record["stage_busy_s"]
+            self.stage_idle_s += record["stage_idle_s"]
 
 
 def build_summary(
@@ -92,6 +99,13 @@ def build_summary(
     breakdown["checkpoint_s"] = checkpoint_s
     step_s = sum(r.step_s for r in ranks) / world
     sent = sum(r.comm_bytes for r in ranks)
+    if "pipeline" in info:
+        busy = sum(r.stage_busy_s for r in ranks)
+        idle = sum(r.stage_idle_s for r in ranks)
+        info = {**info, "pipeline": {
+            **info["pipeline"],
+            "bubble_measured": idle / (busy + idle) if busy + idle > 0 else None,
+        }}  # fmt: skip
     dense = sum(r.dense_bytes for r in ranks)
     return {
         **info,

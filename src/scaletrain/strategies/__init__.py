@@ -10,12 +10,14 @@ from scaletrain.strategies.ddp import DDPStrategy
 from scaletrain.strategies.diloco import DiLoCoStrategy
 from scaletrain.strategies.fsdp import FSDPStrategy
 from scaletrain.strategies.local_sgd import LocalSGDStrategy
+from scaletrain.strategies.pipeline import PipelineStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDPStrategy,
     "local_sgd": LocalSGDStrategy,
     "diloco": DiLoCoStrategy,
     "fsdp": FSDPStrategy,
+    "pipeline": PipelineStrategy,
 }
 
 

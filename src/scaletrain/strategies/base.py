@@ -52,6 +52,10 @@ class StepResult:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+def model_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def replica_memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """memory_bytes() of a strategy that keeps a whole replica on every rank."""
 
@@ -98,13 +102,41 @@ class Strategy(ABC):
         """Everything a checkpoint needs to continue training (weights, optimizer state)."""
 
     @classmethod
+    def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
+        """Raise ValueError for a configuration this strategy cannot run, before any worker
+        starts (the launcher passes the model only to strategies with ``checks_model``)."""
+        return None
+
+    # Whether check_config needs the model (the launcher then builds it once).
+    checks_model: ClassVar[bool] = False
+
+    @classmethod
     def estimate_state_bytes(
-        cls, param_bytes: int, largest_unit_bytes: int, optimizer_copies: int, world_size: int
-    ) -> int:
+        cls, model: nn.Module, optimizer_copies: int, cfg: RunConfig, world_size: int
+    ) -> int | None:
         """Per-rank training state before training starts (for --max-memory-per-rank):
-        parameters, gradients and ``optimizer_copies`` parameter-sized optimizer buffers. The
-        default is a whole replica on every rank."""
-        return param_bytes * (2 + optimizer_copies)
+        parameters, gradients and ``optimizer_copies`` parameter-sized optimizer buffers; None
+        when this strategy cannot run this model. The default is a whole replica per rank."""
+        return model_bytes(model) * (2 + optimizer_copies)
+
+    # Data parallelism within the strategy: ranks with the same data_rank see the same batch
+    # (the stages of one pipeline, the ranks of one tensor-parallel group). Exactly one rank
+    # of each such group reports the samples and the loss (reports_samples).
+    @property
+    def data_rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def data_world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def reports_samples(self) -> bool:
+        return True
+
+    def summary_info(self) -> dict[str, Any]:
+        """Strategy-specific entries for summary.json (rank 0's)."""
+        return {}
 
     def save_sharded(self, path: Path) -> None:
         """Strategies with collective_state_dict: write this rank's shards under ``path``."""

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletrain.strategies.base import LossFn, OptimizerFactory
+from scaletrain.config import RunConfig
+from scaletrain.strategies.base import LossFn, OptimizerFactory, model_bytes
 from scaletrain.strategies.local_sgd import LocalSGDStrategy, float_buffers
 
 
@@ -38,10 +39,10 @@ class DiLoCoStrategy(LocalSGDStrategy):
 
     @classmethod
     def estimate_state_bytes(
-        cls, param_bytes: int, largest_unit_bytes: int, optimizer_copies: int, world_size: int
-    ) -> int:
+        cls, model: nn.Module, optimizer_copies: int, cfg: RunConfig, world_size: int
+    ) -> int | None:
         # A replica, plus the global parameters and the outer momentum.
-        return param_bytes * (4 + optimizer_copies)
+        return model_bytes(model) * (4 + optimizer_copies)
 
     def state_dict(self) -> dict[str, Any]:
         return {

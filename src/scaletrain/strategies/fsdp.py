@@ -46,7 +46,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from scaletrain.config import RunConfig
 from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult, Strategy
+
+
+def unit_bytes(model: nn.Module) -> tuple[int, int]:
+    """(all parameter bytes, the largest FSDP unit's: a module's own parameters)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(
+        (sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+         for m in model.modules()),
+        default=0,
+    )  # fmt: skip
+    return total, largest
+
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -85,10 +98,11 @@ class FSDPStrategy(Strategy):
 
     @classmethod
     def estimate_state_bytes(
-        cls, param_bytes: int, largest_unit_bytes: int, optimizer_copies: int, world_size: int
-    ) -> int:
+        cls, model: nn.Module, optimizer_copies: int, cfg: RunConfig, world_size: int
+    ) -> int | None:
         # The shards, plus the largest unit's parameters and gradients while gathered.
-        return -(-param_bytes * (2 + optimizer_copies) // world_size) + 2 * largest_unit_bytes
+        total, largest = unit_bytes(model)
+        return -(-total * (2 + optimizer_copies) // world_size) + 2 * largest
 
     @property
     def model(self) -> nn.Module:

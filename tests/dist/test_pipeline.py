@@ -1,0 +1,139 @@
+"""Pipeline parallelism: P stages in P processes compute what one process computes, under
+both schedules, also as pipelines x data parallel; checkpoints survive a kill. Real
+processes, real gloo send/recv between stages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch import nn
+
+from scaletrain.config import RunConfig, with_overrides
+from scaletrain.memory_budget import check_memory_budget
+from scaletrain.strategies.pipeline import balanced_cuts, plan_stages
+from tests.conftest import assert_no_orphans, run_cli
+from tests.dist.test_equivalence import GLOBAL_BATCH, train
+
+# digits through the width-8 CNN: 10 top-level layers; 115 samples = 9 steps of 12 per
+# epoch with --drop-last (pipelines need equal microbatches), 18 steps in 2 epochs.
+SAMPLES = 115
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single"), 1, SAMPLES, drop_last=True)
+
+
+def assert_same_training(single, run, steps=10):
+    ref_weights, ref = single
+    weights, got = run
+    assert got["summary"]["steps"] == ref["summary"]["steps"] == 18
+    ref_loss = {r["step"]: r["loss"] for r in ref["records"]}
+    for step in range(1, steps + 1):
+        rows = [r for r in got["records"] if r["step"] == step and r["samples"]]
+        mean = sum(r["loss"] * r["samples"] for r in rows) / sum(r["samples"] for r in rows)
+        assert mean == pytest.approx(ref_loss[step], abs=1e-4), f"step {step}"
+    diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    assert diff <= 1e-5, f"max abs weight difference {diff:.3g}"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_matches_one_process(tmp_path, single, schedule):
+    run = train(tmp_path, 2, SAMPLES, strategy="pipeline", schedule=schedule,
+                microbatches=4, batch_size=GLOBAL_BATCH, drop_last=True)  # fmt: skip
+    assert_same_training(single, run)
+    summary = run[1]["summary"]
+    pipeline = summary["pipeline"]
+    assert pipeline["stages"] == 2 and pipeline["schedule"] == schedule
+    assert pipeline["bubble_theoretical"] == pytest.approx(1 / 5)
+    assert 0 < pipeline["bubble_measured"] < 1
+    # Only the last stage reports samples and loss; every sample counts once.
+    assert [r["samples"] for r in summary["per_rank"]] == [0, summary["samples"]]
+    # Each stage holds only its own layers' state: together, the whole model's.
+    whole = single[1]["summary"]["per_rank"][0]["memory"]["param_bytes"]
+    parts = [r["memory"]["param_bytes"] for r in summary["per_rank"]]
+    assert sum(parts) == whole and max(parts) < whole
+
+
+def test_pipelines_times_data_parallel(tmp_path, single):
+    """4 ranks: 2 pipelines of 2 stages (named split), each on half of every batch."""
+    run = train(tmp_path, 4, SAMPLES, strategy="pipeline", stages=2, split_points="3",
+                microbatches=2, batch_size=GLOBAL_BATCH // 2, drop_last=True)  # fmt: skip
+    assert_same_training(single, run)
+    summary = run[1]["summary"]
+    assert summary["pipeline"]["data_parallel"] == 2
+    assert summary["global_batch_size"] == GLOBAL_BATCH
+    # Ranks 1 and 3 are the last stages of the two pipelines.
+    assert [r["samples"] > 0 for r in summary["per_rank"]] == [False, True, False, True]
+
+
+def test_pipeline_checkpoint_restart_gives_identical_weights(tmp_path):
+    common = ["--nproc-per-node", "3", "--strategy", "pipeline", "--max-steps", "12",
+              "--drop-last", "--microbatches", "4", "--deterministic", "--seed", "5",
+              "--num-threads", "1"]  # fmt: skip
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    assert run_cli("run", *common, "--out", str(clean)).returncode == 0
+    result = run_cli("run", *common, "--checkpoint-every", "4", "--max-restarts", "1",
+                     "--inject", "kill:rank=1:step=7", "--out", str(killed))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (clean, killed)]
+    assert summaries[1]["recoveries"][0]["step"] == 4
+    assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
+    assert (killed / "checkpoints" / "step-00000008.dcp").is_dir()
+    assert_no_orphans(killed)
+
+
+def test_balanced_cuts_minimize_the_largest_stage():
+    assert balanced_cuts([1, 1, 1, 1], 2) == [2]
+    assert balanced_cuts([5, 1, 1, 1, 1, 1], 2) == [1]
+    assert balanced_cuts([1, 2, 3, 4, 5], 3) == [3, 4]  # 6 | 4 | 5
+    assert balanced_cuts([0, 0, 9, 0], 4) == [1, 2, 3]  # every stage gets a layer
+
+
+def test_plan_stages_and_its_errors():
+    model = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 2))
+    assert plan_stages(model, 2, "") == [["0", "1"], ["2", "3"]]
+    assert plan_stages(model, 2, "3") == [["0", "1", "2"], ["3"]]
+    with pytest.raises(ValueError, match="5 stages but the model has only 4 top-level layers"):
+        plan_stages(model, 5, "")
+    with pytest.raises(ValueError, match="no top-level layer named 9"):
+        plan_stages(model, 2, "9")
+    with pytest.raises(ValueError, match="3 stages need 2 split points"):
+        plan_stages(model, 3, "2")
+    with pytest.raises(ValueError, match="must be an nn.Sequential"):
+        plan_stages(nn.Linear(2, 2), 2, "")
+
+
+def test_pipeline_memory_estimate_is_the_largest_stage():
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 1000))
+    cfg = with_overrides(RunConfig(), {"optimizer": "adam"})
+    estimates = check_memory_budget(cfg, model, 2)
+    assert estimates["pipeline"] == 4 * 4 * (1000 * 1000 + 1000)  # one Linear + Adam
+    assert estimates["ddp"] == 2 * estimates["pipeline"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc-per-node", "11", "--microbatches", "16"],
+         "stages: 11 stages but the model has only 10 top-level layers"),
+        (["--microbatches", "5"], "microbatches: 5 does not divide the batch size 32"),
+        (["--nproc-per-node", "3", "--stages", "2"], "do not divide the world size 3"),
+        (["--microbatches", "1"], "1f1b needs at least as many microbatches as stages"),
+    ],
+)
+def test_bad_pipeline_input_fails_before_training(tmp_path, args, message):
+    out = tmp_path / "run"
+    result = run_cli("run", "--strategy", "pipeline", "--nproc-per-node", "2", "--drop-last",
+                     "--dataset", "digits", *args, "--out", str(out), timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_pipeline_without_drop_last_is_refused(tmp_path):
+    result = run_cli("run", "--strategy", "pipeline", "--out", str(tmp_path / "r"), timeout=60)
+    assert result.returncode == 2
+    assert "pipeline needs --drop-last" in result.stderr
