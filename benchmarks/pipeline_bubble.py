@@ -46,8 +46,9 @@ from scaletrain.task import Task  # noqa: E402
 
 HIDDEN = 1024
 BLOCKS = 8
-BATCH = 128
-DEVICE_MS_PER_SAMPLE = 0.25
+BATCH = 64
+# Per sample and block, forward; the workers read it from the environment (--device-ms).
+DEVICE_MS_PER_SAMPLE = float(os.environ.get("BENCH_DEVICE_MS", "1.25"))
 
 
 class DeviceTime(torch.autograd.Function):

@@ -304,6 +304,11 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         """Checks that span sections (world-size checks wait for the launcher)."""
+        _require(
+            self.parallel.tp == 1 or self.train.strategy in ("tensor", "fsdp"),
+            "tp",
+            f"tensor parallelism runs under --strategy tensor or fsdp, not {self.train.strategy!r}",
+        )
         if self.train.strategy == "pipeline":
             m = self.parallel.microbatches
             _require(

@@ -83,12 +83,13 @@ def check_strategy(cfg: RunConfig) -> None:
     lo, hi = parse_nnodes(cfg.launch.nnodes)
     worlds = sorted({cfg.launch.nproc_per_node * n for n in range(lo, hi + 1)})
     model = None
-    if strategy.checks_model or cfg.train.max_memory_per_rank:
+    checks_model = strategy.checks_model(cfg)
+    if checks_model or cfg.train.max_memory_per_rank:
         from scaletrain.task import build_task
 
         model = build_task(cfg).model
     for world in worlds:
-        strategy.check_config(cfg, world, model if strategy.checks_model else None)
+        strategy.check_config(cfg, world, model if checks_model else None)
     if cfg.train.max_memory_per_rank and model is not None:
         from scaletrain.memory_budget import check_memory_budget
 

@@ -8,11 +8,13 @@ from torch import nn
 
 from scaletrain.models.cnn import build_cnn
 from scaletrain.models.mlp import build_mlp
+from scaletrain.models.transformer import build_transformer
 from scaletrain.registry import lookup
 
 MODELS: dict[str, Callable[[tuple[int, ...], int, int], nn.Module]] = {
     "cnn": build_cnn,
     "mlp": build_mlp,
+    "transformer": build_transformer,
 }
 
 

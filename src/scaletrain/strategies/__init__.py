@@ -11,6 +11,7 @@ from scaletrain.strategies.diloco import DiLoCoStrategy
 from scaletrain.strategies.fsdp import FSDPStrategy
 from scaletrain.strategies.local_sgd import LocalSGDStrategy
 from scaletrain.strategies.pipeline import PipelineStrategy
+from scaletrain.strategies.tensor import TensorStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDPStrategy,
@@ -18,6 +19,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "diloco": DiLoCoStrategy,
     "fsdp": FSDPStrategy,
     "pipeline": PipelineStrategy,
+    "tensor": TensorStrategy,
 }
 
 

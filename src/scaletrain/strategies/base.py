@@ -104,11 +104,13 @@ class Strategy(ABC):
     @classmethod
     def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
         """Raise ValueError for a configuration this strategy cannot run, before any worker
-        starts (the launcher passes the model only to strategies with ``checks_model``)."""
+        starts (the launcher passes the model only when ``checks_model``)."""
         return None
 
-    # Whether check_config needs the model (the launcher then builds it once).
-    checks_model: ClassVar[bool] = False
+    @classmethod
+    def checks_model(cls, cfg: RunConfig) -> bool:
+        """Whether check_config needs the model (the launcher then builds it once)."""
+        return False
 
     @classmethod
     def estimate_state_bytes(

@@ -86,8 +86,19 @@ class FSDPStrategy(Strategy):
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         self.skeleton = copy.deepcopy(model).to("meta")  # the plain architecture, no memory
         self.param_bytes_full = sum(p.numel() * p.element_size() for p in model.parameters())
-        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
-        for module in model.modules():
+        self.tp = self.cfg.parallel.tp
+        self.dp = self.ctx.world_size // self.tp
+        if self.tp > 1:  # fsdp x tensor: split layers over "tp", then shard over "dp"
+            from scaletrain.strategies.tensor import apply_tensor_parallel, tensor_parallel_mesh
+
+            mesh_2d = tensor_parallel_mesh(self.ctx, self.tp)
+            apply_tensor_parallel(model, mesh_2d)
+            mesh = mesh_2d["dp"]
+        else:
+            mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        # Children before parents: fully_shard takes every parameter below a module that no
+        # unit below it holds yet, so a parent first would swallow its children's.
+        for module in reversed(list(model.modules())):
             if module is not model and any(True for _ in module.parameters(recurse=False)):
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -95,6 +106,34 @@ class FSDPStrategy(Strategy):
         self.optimizer = build_optimizer(model.parameters())
         self.loss_fn = loss_fn
         self.replica: nn.Module | None = None
+
+    @classmethod
+    def checks_model(cls, cfg: RunConfig) -> bool:
+        return cfg.parallel.tp > 1
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
+        if cfg.parallel.tp > 1:
+            from scaletrain.strategies.tensor import check_tensor_parallel
+
+            check_tensor_parallel(model, cfg.parallel.tp, world_size)
+
+    @property
+    def data_rank(self) -> int:
+        return self.ctx.rank // self.tp
+
+    @property
+    def data_world_size(self) -> int:
+        return self.dp
+
+    @property
+    def reports_samples(self) -> bool:
+        return self.ctx.rank % self.tp == 0
+
+    def summary_info(self) -> dict[str, Any]:
+        if self.tp == 1:
+            return {}
+        return {"tensor_parallel": {"tp": self.tp, "data_parallel": self.dp}}
 
     @classmethod
     def estimate_state_bytes(
@@ -148,18 +187,19 @@ class FSDPStrategy(Strategy):
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.module(batch.inputs), batch.targets)
-        scale = batch.num_samples * self.ctx.world_size / batch.global_samples
+        scale = batch.num_samples * self.dp / batch.global_samples
         (loss if scale == 1.0 else loss * scale).backward()
         self.optimizer.step()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        world = self.ctx.world_size
+        dp = self.dp
         return StepResult(
             loss=loss.detach(),
             compute_s=time.perf_counter() - start,
             comm_s=0.0,
             wait_s=0.0,
-            comm_bytes=3 * (world - 1) * self.param_bytes_full // world,
+            # Over "dp" only; under --tp the tensor-parallel all-reduces come on top.
+            comm_bytes=3 * (dp - 1) * self.param_bytes_full // (dp * self.tp),
         )
 
     def finish(self) -> None:

@@ -174,7 +174,10 @@ class TimedStage(PipelineStage):
 class PipelineStrategy(Strategy):
     collective = "pipeline activation send/recv"
     collective_state_dict = True
-    checks_model = True
+
+    @classmethod
+    def checks_model(cls, cfg: RunConfig) -> bool:
+        return True
 
     @classmethod
     def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:

@@ -1,0 +1,204 @@
+"""Tensor parallelism on DTensor (``parallelize_module``): each weight matrix the model's plan
+names is split over a group of ``--tp`` ranks, Megatron-style: column-split layers give each
+rank a slice of the outputs (a share of the attention heads, of the MLP's hidden units),
+row-split layers take those slices and all-reduce their partial outputs. Activations between
+blocks are whole on every rank of the group; the group sees one batch together.
+
+Layout: a (data parallel D) x (tensor parallel T) mesh, W = D x T; the T ranks of a group are
+consecutive (on one host, where their per-layer all-reduces are cheapest). With D > 1 the
+groups are replicas: ``--strategy tensor`` averages gradients over "dp" (an all-reduce of
+each rank's local shards, weighted by samples, timed as communication), and ``--strategy fsdp
+--tp T`` shards them over "dp" instead (``tensor_parallel_mesh`` is shared with fsdp.py).
+
+The model must say how to split itself: a ``tensor_parallel_plan()`` method that returns
+{module name: ColwiseParallel() | RowwiseParallel()} (the built-in transformer has one), and
+optionally ``tensor_parallel_divisors()``: {what: size} that T must divide, checked before
+any worker starts, with every planned layer's split dimension.
+
+State is DTensors: checkpoints through DCP (resharded on load), the final replica gathered as
+in fsdp.py. Communication bytes: each row-split layer all-reduces its output forward and the
+matching column-split input gradient backward, both the size of the layer's output.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+from scaletrain.config import RunConfig
+from scaletrain.metrics.timers import sent_bytes
+from scaletrain.runtime import DistContext
+from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult
+from scaletrain.strategies.fsdp import FSDPStrategy
+
+
+def check_tensor_parallel(model: nn.Module | None, tp: int, world_size: int) -> None:
+    """ValueError when ``tp`` cannot split this world or this model."""
+    if world_size % tp:
+        raise ValueError(
+            f"tp: {tp} does not divide the world size {world_size}; the world must hold a "
+            "whole number of tensor-parallel groups"
+        )
+    if model is None or tp == 1:
+        return
+    plan_fn = getattr(model, "tensor_parallel_plan", None)
+    if plan_fn is None:
+        raise ValueError(
+            f"tp: model {type(model).__name__} has no tensor_parallel_plan() saying which "
+            "layers to split; the built-in transformer (--model transformer) has one"
+        )
+    for what, size in getattr(model, "tensor_parallel_divisors", dict)().items():
+        if size % tp:
+            raise ValueError(f"tp: {tp} does not divide {what} ({size})")
+    modules = dict(model.named_modules())
+    for name, style in plan_fn().items():
+        layer = modules.get(name)
+        if not isinstance(layer, nn.Linear):
+            raise ValueError(f"tp: the plan names {name!r}, which is not a Linear of the model")
+        rows = isinstance(style, RowwiseParallel)
+        size = layer.in_features if rows else layer.out_features
+        if size % tp:
+            kind = "input" if rows else "output"
+            raise ValueError(
+                f"tp: {tp} does not divide the hidden size {size} ({kind} features of {name})"
+            )
+
+
+def tensor_parallel_mesh(ctx: DistContext, tp: int) -> DeviceMesh:
+    """The (dp, tp) mesh of this world."""
+    check_tensor_parallel(None, tp, ctx.world_size)
+    return init_device_mesh(
+        ctx.device.type, (ctx.world_size // tp, tp), mesh_dim_names=("dp", "tp")
+    )
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+    """Split the model's planned layers over mesh["tp"]; returns the row-split layers."""
+    plan = model.tensor_parallel_plan()  # type: ignore[operator]
+    parallelize_module(model, mesh["tp"], plan)
+    modules = dict(model.named_modules())
+    return [modules[n] for n, style in plan.items() if isinstance(style, RowwiseParallel)]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def flat_zeros(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape.numel(), device=device)
+
+
+class TensorStrategy(FSDPStrategy):
+    """State handling (DCP checkpoints, full-state gather, per-rank bytes) is fsdp.py's: both
+    hold DTensors. Only setup and the step differ."""
+
+    collective = "tensor-parallel all-reduce"
+
+    @classmethod
+    def checks_model(cls, cfg: RunConfig) -> bool:
+        return True
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
+        check_tensor_parallel(model, cfg.parallel.tp, world_size)
+
+    @classmethod
+    def estimate_state_bytes(
+        cls, model: nn.Module, optimizer_copies: int, cfg: RunConfig, world_size: int
+    ) -> int | None:
+        tp = cfg.parallel.tp
+        try:
+            check_tensor_parallel(model, tp, world_size)
+        except ValueError:
+            return None
+        planned = dict(model.named_modules())
+        plan: dict[str, Any] = getattr(model, "tensor_parallel_plan", dict)()
+        split = sum(p.numel() * p.element_size() for n in plan for p in planned[n].parameters())
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        # Row-split biases stay whole; close enough for a budget.
+        return (total - split + split // tp) * (2 + optimizer_copies)
+
+    def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
+        self.skeleton = copy.deepcopy(model).to("meta")
+        self.param_bytes_full = sum(p.numel() * p.element_size() for p in model.parameters())
+        tp = self.cfg.parallel.tp
+        check_tensor_parallel(model, tp, self.ctx.world_size)
+        self.mesh = tensor_parallel_mesh(self.ctx, tp)
+        self.tp, self.dp = tp, self.ctx.world_size // tp
+        self.rowwise = apply_tensor_parallel(model, self.mesh) if tp > 1 else []
+        self.activation_bytes = 0
+        for layer in self.rowwise:
+            layer.register_forward_hook(self._count_activation)
+        self.module = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(model.parameters())
+        self.loss_fn = loss_fn
+        self.replica: nn.Module | None = None
+
+    def _count_activation(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        self.activation_bytes += local(output).numel() * local(output).element_size()
+
+    @property
+    def data_rank(self) -> int:
+        return self.ctx.rank // self.tp
+
+    @property
+    def data_world_size(self) -> int:
+        return self.dp
+
+    @property
+    def reports_samples(self) -> bool:
+        return self.ctx.rank % self.tp == 0
+
+    def summary_info(self) -> dict[str, Any]:
+        return {"tensor_parallel": {"tp": self.tp, "data_parallel": self.dp}}
+
+    def train_step(self, batch: Batch) -> StepResult:
+        start = time.perf_counter()
+        self.activation_bytes = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
+        loss.backward()
+        comm_s, sent = 0.0, 2 * sent_bytes("all_reduce", self.activation_bytes, self.tp)
+        if self.dp > 1:
+            comm_start = time.perf_counter()
+            sent += self._average_gradients(batch)
+            comm_s = time.perf_counter() - comm_start
+        self.optimizer.step()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        step_s = time.perf_counter() - start
+        return StepResult(
+            loss=loss.detach(),
+            compute_s=step_s - comm_s,
+            comm_s=comm_s,
+            wait_s=comm_s,
+            comm_bytes=sent,
+        )
+
+    def _average_gradients(self, batch: Batch) -> int:
+        """Sample-weighted mean over the data-parallel replicas of each rank's local shards
+        (the same shards on every replica). Returns the bytes this rank sent."""
+        grads = [local(p.grad) if p.grad is not None else None for p in self.params]
+        shapes = [local(p).shape for p in self.params]
+        flat = torch.cat(
+            [g.reshape(-1) if g is not None else flat_zeros(s, self.ctx.device)
+             for g, s in zip(grads, shapes, strict=True)]
+        )  # fmt: skip
+        flat.mul_(batch.num_samples / batch.global_samples)
+        dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+        offset = 0
+        for g, s in zip(grads, shapes, strict=True):
+            n = s.numel()
+            if g is not None:
+                g.copy_(flat[offset : offset + n].view(s))
+            offset += n
+        return sent_bytes("all_reduce", flat.numel() * flat.element_size(), self.dp)
