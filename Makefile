@@ -37,6 +37,7 @@ bench: install
 	$(BIN)/python benchmarks/ddp_overhead.py
 	$(BIN)/python benchmarks/compression.py
 	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python benchmarks/pipeline_bubble.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
