@@ -14,7 +14,7 @@ STAMP = $(VENV)/.installed
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(PIP_CONSTRAINT_FLAGS) -e '.[dev]'
+	$(BIN)/pip install --quiet $(PIP_CONSTRAINT_FLAGS) -e '.[dev,ft]'
 	touch $@
 
 install: $(STAMP)

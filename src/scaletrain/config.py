@@ -182,6 +182,9 @@ class OptimSection:
         _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
 
 
+RECOVERY_MODES = ("restart", "inplace")
+
+
 @dataclass(kw_only=True)
 class FaultSection:
     """Checkpoints and fault injection."""
@@ -195,6 +198,13 @@ class FaultSection:
         metadata={"help": "write checkpoints in the background (the step waits for a copy)"},
     )
     inject: str = field(default="", metadata={"help": "faults to inject, e.g. kill:rank=1:step=7"})
+    recovery: str = field(
+        default="restart",
+        metadata={
+            "help": "restart: the group restarts from the last checkpoint; inplace: survivors "
+            "continue, a restarted worker heals from a peer (torchft)"
+        },
+    )
     hang_timeout_s: float = field(
         default=0.0,
         metadata={"help": "a rank without progress this long is a hang (0: half of timeout_s)"},
@@ -209,6 +219,11 @@ class FaultSection:
         _require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         _require(self.hang_timeout_s >= 0, "hang_timeout_s", "must be >= 0")
+        _require(
+            self.recovery in RECOVERY_MODES,
+            "recovery",
+            f"must be one of {', '.join(RECOVERY_MODES)}; got {self.recovery!r}",
+        )
         parse_inject(self.inject)
 
 
@@ -309,6 +324,24 @@ class RunConfig:
             "tp",
             f"tensor parallelism runs under --strategy tensor or fsdp, not {self.train.strategy!r}",
         )
+        if self.fault.recovery == "inplace":
+            _require(
+                self.train.strategy == "ddp",
+                "recovery",
+                f"inplace recovery runs data parallel training (--strategy ddp), not "
+                f"{self.train.strategy!r}",
+            )
+            _require(
+                self.comm.compression == "none",
+                "recovery",
+                "inplace recovery averages plain gradients; drop --compression",
+            )
+            _require(
+                parse_nnodes(self.launch.nnodes) == (1, 1),
+                "recovery",
+                "inplace recovery runs on one node for now (its coordinator binds to "
+                "loopback); use --recovery restart across nodes",
+            )
         if self.train.strategy == "pipeline":
             m = self.parallel.microbatches
             _require(

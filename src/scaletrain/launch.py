@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import json
 import logging
 import os
@@ -62,6 +63,10 @@ def check_names(cfg: RunConfig) -> None:
             f"--compression applies to: {with_hooks}"
         )
     lookup(OPTIMIZERS, cfg.optim.optimizer, "optimizer")
+    if cfg.fault.recovery == "inplace" and importlib.util.find_spec("torchft") is None:
+        raise ValueError(
+            "recovery: inplace needs torchft, which is not installed: pip install 'scaletrain[ft]'"
+        )
     if cfg.data.task:
         target = cfg.data.task.rpartition(":")[0]
         if target.endswith(".py") and not Path(target).is_file():
@@ -249,6 +254,21 @@ def record_worker_deaths(cfg: RunConfig, run_dir: Path) -> Iterator[None]:
         logger.propagate = saved[1]
 
 
+def run_inplace_mode(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:
+    """--recovery inplace: our own supervisor instead of the elastic agent (fault/supervisor)."""
+    from scaletrain.fault.supervisor import InplaceFailed, run_inplace
+    from scaletrain.metrics.progress import ProgressView
+
+    set_launch_env(cfg, local_only=True)
+    try:
+        with ProgressView(run_dir / "metrics.jsonl", enabled=show_progress):
+            summary = run_inplace(cfg, run_dir)
+    except InplaceFailed as e:
+        raise WorkerFailed(str(e)) from None
+    summary["run_dir"] = str(run_dir)
+    return summary
+
+
 def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Launch this node's workers for ``cfg`` and wait for them.
 
@@ -266,6 +286,8 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     check_names(cfg)
     check_strategy(cfg)
     cfg, run_dir = prepare_run_dir(cfg)
+    if cfg.fault.recovery == "inplace":
+        return run_inplace_mode(cfg, run_dir, show_progress)
     launch_config = build_launch_config(cfg, run_dir)
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
     progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)

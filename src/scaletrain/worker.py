@@ -51,6 +51,13 @@ def main(argv: list[str]) -> None:
 
     cfg = load_toml(run_dir / "config.toml")
     apply_determinism(cfg, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if os.environ.get("SCALETRAIN_RECOVERY") == "inplace":  # a torchft replica of its own
+        from scaletrain.fault.inplace import InplaceTrainer
+
+        inplace = InplaceTrainer(cfg, build_task(cfg), run_dir)
+        _KEEP_ALIVE.append(inplace)
+        inplace.fit()
+        return
     ctx = init_distributed(cfg)
     try:
         trainer = Trainer(cfg, ctx, build_task(cfg), run_dir)

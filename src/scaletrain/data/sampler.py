@@ -44,6 +44,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.num_samples = num_samples
         self.world_size = world_size
         self.rank = rank
+        self.batch_size = batch_size
         self.global_batch = batch_size * world_size
         self.seed = seed
         self.shuffle = shuffle
@@ -56,6 +57,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
                 f"drop_last with {num_samples} samples and a global batch of {self.global_batch} "
                 "leaves no step; lower the batch size or turn drop_last off"
             )
+
+    def resize(self, world_size: int, rank: int) -> None:
+        """Plan the rest of the epoch over ``world_size`` ranks, this one ``rank``: in-place
+        recovery calls it at every step with that step's membership, keeping the per-worker
+        batch (the global batch follows the number of workers)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.world_size, self.rank = world_size, rank
+        self.global_batch = self.batch_size * world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning, unless a restored state is already inside it."""

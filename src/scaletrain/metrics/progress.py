@@ -151,6 +151,17 @@ def describe_recovery(r: dict[str, Any]) -> str:
     again 3.1 s later from the checkpoint of step 55 (4 steps redone)'."""
     who = f"rank {r['rank']}" if r.get("rank") is not None else "a worker"
     what = f"{who} {r.get('cause', 'failure')}"
+    if r["kind"] == "inplace":
+        line = f"in place: {what} at step {r.get('failed_step')}; the other workers"
+        if r.get("detected_s") is None:
+            return line + " did not train again"
+        line += (
+            f" noticed in {r['detected_s']:.1f} s and trained on {r['resumed_s']:.1f} s later "
+            f"with {r.get('world_size')} workers, no rollback"
+        )
+        if r.get("rejoined_step"):
+            line += f"; it rejoined at step {r['rejoined_step']} ({r['rejoin_s']:.1f} s)"
+        return line
     if r.get("failed_step"):
         what += f" at step {r['failed_step']}"
     timing = []
