@@ -1,30 +1,43 @@
-"""Strategy registry: name -> Strategy class. Unknown names raise ValueError listing the known."""
+"""Strategy registry: name -> Strategy class. Unknown names raise ValueError listing the known.
+
+Each strategy's module is imported only when it is asked for: a worker imports the one it
+runs (torch.distributed.pipelining alone adds about a second to a worker's start on 2 cores,
+and every restart pays a worker's start). ``STRATEGIES`` (all of them, for the launcher's
+checks) imports every module on first use.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from scaletrain.config import RunConfig
 from scaletrain.registry import lookup
 from scaletrain.runtime import DistContext
 from scaletrain.strategies.base import Batch, StepResult, Strategy
-from scaletrain.strategies.ddp import DDPStrategy
-from scaletrain.strategies.diloco import DiLoCoStrategy
-from scaletrain.strategies.fsdp import FSDPStrategy
-from scaletrain.strategies.local_sgd import LocalSGDStrategy
-from scaletrain.strategies.pipeline import PipelineStrategy
-from scaletrain.strategies.tensor import TensorStrategy
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    "ddp": DDPStrategy,
-    "local_sgd": LocalSGDStrategy,
-    "diloco": DiLoCoStrategy,
-    "fsdp": FSDPStrategy,
-    "pipeline": PipelineStrategy,
-    "tensor": TensorStrategy,
+_CLASSES: dict[str, str] = {
+    "ddp": "scaletrain.strategies.ddp:DDPStrategy",
+    "local_sgd": "scaletrain.strategies.local_sgd:LocalSGDStrategy",
+    "diloco": "scaletrain.strategies.diloco:DiLoCoStrategy",
+    "fsdp": "scaletrain.strategies.fsdp:FSDPStrategy",
+    "pipeline": "scaletrain.strategies.pipeline:PipelineStrategy",
+    "tensor": "scaletrain.strategies.tensor:TensorStrategy",
 }
 
 
+def strategy_class(name: str) -> type[Strategy]:
+    module, _, cls = lookup(_CLASSES, name, "strategy", "strategies").partition(":")
+    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+
+
 def build_strategy(name: str, ctx: DistContext, cfg: RunConfig) -> Strategy:
-    return lookup(STRATEGIES, name, "strategy", "strategies")(ctx, cfg)
+    return strategy_class(name)(ctx, cfg)
 
 
-__all__ = ["STRATEGIES", "Batch", "StepResult", "Strategy", "build_strategy"]
+def __getattr__(attr: str) -> dict[str, type[Strategy]]:
+    if attr == "STRATEGIES":
+        return {name: strategy_class(name) for name in _CLASSES}
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+__all__ = ["STRATEGIES", "Batch", "StepResult", "Strategy", "build_strategy", "strategy_class"]

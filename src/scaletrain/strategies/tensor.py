@@ -97,8 +97,8 @@ def flat_zeros(shape: torch.Size, device: torch.device) -> torch.Tensor:
 
 
 class TensorStrategy(FSDPStrategy):
-    """State handling (DCP checkpoints, full-state gather, per-rank bytes) is fsdp.py's: both
-    hold DTensors. Only setup and the step differ."""
+    """State handling (DCP checkpoints, full-state gather, per-rank bytes) and the (dp, tp)
+    data layout are fsdp.py's: both hold DTensors. Only setup and the step differ."""
 
     collective = "tensor-parallel all-reduce"
 
@@ -145,21 +145,6 @@ class TensorStrategy(FSDPStrategy):
 
     def _count_activation(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
         self.activation_bytes += local(output).numel() * local(output).element_size()
-
-    @property
-    def data_rank(self) -> int:
-        return self.ctx.rank // self.tp
-
-    @property
-    def data_world_size(self) -> int:
-        return self.dp
-
-    @property
-    def reports_samples(self) -> bool:
-        return self.ctx.rank % self.tp == 0
-
-    def summary_info(self) -> dict[str, Any]:
-        return {"tensor_parallel": {"tp": self.tp, "data_parallel": self.dp}}
 
     def train_step(self, batch: Batch) -> StepResult:
         start = time.perf_counter()
