@@ -44,7 +44,7 @@ from scaletrain.fault.recovery import (
     rng_state,
 )
 from scaletrain.fault.watchdog import Watchdog
-from scaletrain.metrics.sinks import JsonlSink
+from scaletrain.metrics.sinks import StepSinks
 from scaletrain.metrics.summary import RankTotals, build_summary, params_sha256, peak_rss_bytes
 from scaletrain.metrics.timers import overlap_ratio
 from scaletrain.runtime import DistContext
@@ -131,7 +131,7 @@ class Trainer:
             "training to step %d on %s with %s, world size %d",
             self.total_steps, self.ctx.device, self.ctx.backend, self.ctx.world_size,
         )  # fmt: skip
-        sink = JsonlSink(self.run_dir / "metrics.jsonl")
+        sink = StepSinks(self.run_dir, self.ctx.rank)
         start = time.perf_counter()
         try:
             for epoch in range(self.progress.epoch, self.cfg.train.epochs):
@@ -163,7 +163,7 @@ class Trainer:
         steps = self.progress.step + len(self.sampler) + later * self.sampler.steps_per_epoch()
         return min(steps, self.cfg.train.max_steps) if self.cfg.train.max_steps else steps
 
-    def _run_epoch(self, start: float, sink: JsonlSink) -> None:
+    def _run_epoch(self, start: float, sink: StepSinks) -> None:
         bounds = self.sampler.bounds()
         order = self.sampler.order() if self.cfg.fault.log_sample_ids else None
         batches = iter(self.loader)

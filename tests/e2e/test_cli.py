@@ -6,6 +6,7 @@ import json
 import socket
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import REPO, assert_no_orphans, run_cli
 
@@ -49,6 +50,14 @@ def test_digits_two_workers_reach_95_percent(tmp_path):
     assert len(records) == 2 * summary["steps"]
     assert {r["rank"] for r in records} == {0, 1}
     assert (out / "checkpoints" / "final.pt").exists()
+    # TensorBoard scalars, one point per step per rank, readable by tensorboard itself.
+    for rank in (0, 1):
+        events = EventAccumulator(str(out / "events" / f"rank{rank}"))
+        events.Reload()
+        loss = events.Scalars("train/loss")
+        assert [e.step for e in loss] == list(range(1, summary["steps"] + 1))
+        mine = [r["loss"] for r in records if r["rank"] == rank]
+        assert [e.value for e in loss] == pytest.approx(mine, rel=1e-6)
     assert_no_orphans(out)
 
 

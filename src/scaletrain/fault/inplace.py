@@ -47,7 +47,7 @@ from scaletrain.data.partition import rank_indices, split_counts
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
 from scaletrain.fault.inject import parse_inject
-from scaletrain.metrics.sinks import JsonlSink
+from scaletrain.metrics.sinks import StepSinks
 from scaletrain.metrics.summary import RankTotals, params_sha256, peak_rss_bytes
 from scaletrain.runtime import pick_device
 from scaletrain.task import Task, build_optimizer
@@ -160,7 +160,7 @@ class InplaceTrainer:
     def fit(self) -> None:
         if self.attempt == 0:
             wait_for_peers(self.run_dir, self.rank, self.world, self.cfg.launch.timeout_s)
-        sink = JsonlSink(self.run_dir / "metrics.jsonl")
+        sink = StepSinks(self.run_dir, self.rank)
         start = time.perf_counter()
         params = [p for p in self.model.parameters() if p.requires_grad]
         try:
@@ -174,7 +174,7 @@ class InplaceTrainer:
         self._finish(time.perf_counter() - start)
         self.manager.shutdown(wait=False)
 
-    def _step(self, start: float, sink: JsonlSink, params: list[torch.nn.Parameter]) -> None:
+    def _step(self, start: float, sink: StepSinks, params: list[torch.nn.Parameter]) -> None:
         step = self.progress["step"] + 1
         for fault in self.faults:
             fault.before_step(step, self.rank, self.attempt)
