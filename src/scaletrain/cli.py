@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from scaletrain.config import RunConfig, leaf_fields, load_toml, with_overrides
@@ -55,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_config_flags(sub.add_parser("run", help="train with the given configuration"))
     add_config_flags(sub.add_parser("demo", help="2 local workers train the CNN on digits"))
+    report = sub.add_parser("report", help="write one HTML page with plots of finished runs")
+    report.add_argument("run_dirs", nargs="+", help="run directories (with summary.json)")
+    report.add_argument(
+        "--out", default="", help="HTML file to write (default: RUN_DIR/report.html of the first)"
+    )
     shard = sub.add_parser("shard", help="convert a dataset into shards for --data")
     shard.add_argument("src", help="digits | synthetic | a folder of class folders | .npz")
     shard.add_argument("out", help="shard directory to create")
@@ -80,8 +86,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = run(cfg)
     if "strategy" in summary:
         render_summary(summary, Console())
+        if args.command == "demo":
+            from scaletrain.analysis.report import write_report
+
+            run_dir = Path(summary["run_dir"])
+            print(f"report: {write_report([run_dir], run_dir / 'report.html')}")
     else:
         print(f"done; rank 0 ran on another node. Run directory: {summary['run_dir']}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from scaletrain.analysis.report import write_report
+
+    dirs = [Path(d) for d in args.run_dirs]
+    out = Path(args.out) if args.out else dirs[0] / "report.html"
+    print(f"report: {write_report(dirs, out)}")
     return 0
 
 
@@ -127,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     from scaletrain.launch import LaunchFailed, WorkerFailed
 
     try:
-        return cmd_shard(args) if args.command == "shard" else cmd_run(args)
+        commands = {"shard": cmd_shard, "report": cmd_report}
+        return commands.get(args.command, cmd_run)(args)
     except ValueError as e:
         fail(f"error: {e}")
         return 2

@@ -154,6 +154,7 @@ class Supervisor:
                 "rank": rank,
                 "cause": death["cause"],
                 "failed_step": max((r["step"] for r in mine), default=0) + 1,
+                "failed_at": died,
                 "lost_steps": 0,
                 "world_size": after[0]["participants"] if after else None,
                 "step": after[0]["step"] - 1 if after else None,

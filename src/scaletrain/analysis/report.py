@@ -1,0 +1,242 @@
+"""``scaletrain report RUN_DIR [RUN_DIR ...]``: one self-contained HTML page about the runs.
+
+Everything comes from each run directory's summary.json and metrics.jsonl; the plots are
+drawn with matplotlib (Agg) and embedded as base64 PNGs, so the page is one file that opens
+anywhere without the run directories. Per page:
+
+- a table of the runs' headline figures;
+- loss against step and against wall time (the step's sample-weighted mean over the ranks
+  that report a loss);
+- samples/s per rank against step;
+- the mean step split into data, compute, communication in flight but hidden, blocked
+  waiting, and checkpoint time, one bar per run;
+- with runs of two or more world sizes: throughput against workers, beside the ideal
+  (the smallest run's rate per worker, times the workers);
+- staleness histograms, for runs whose summary.json has one (parameter-server runs);
+- for runs with failures: every rank's steps against wall-clock time, with each death and
+  the moment training was running again marked.
+
+A run directory without summary.json is refused with a message naming it (a run still going,
+or one that failed, has none).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from scaletrain.metrics.sinks import read_jsonl  # noqa: E402
+
+
+class Run:
+    def __init__(self, directory: Path) -> None:
+        summary = directory / "summary.json"
+        if not summary.is_file():
+            raise ValueError(
+                f"report: {directory} has no summary.json (not a finished scaletrain run)"
+            )
+        self.dir = directory
+        self.summary: dict[str, Any] = json.loads(summary.read_text())
+        metrics = directory / "metrics.jsonl"
+        self.records = read_jsonl(metrics) if metrics.is_file() else []
+        s = self.summary
+        self.label = f"{directory.name}: {s['strategy']} x{s['world_size']}"
+
+    def loss_by_step(self) -> tuple[list[int], list[float], list[float]]:
+        """(steps, sample-weighted mean loss, time_s of rank 0 or the first reporter)."""
+        sums: dict[int, list[float]] = {}
+        times: dict[int, float] = {}
+        for r in self.records:
+            if r.get("loss") is not None and r["samples"]:
+                acc = sums.setdefault(r["step"], [0.0, 0.0])
+                acc[0] += r["loss"] * r["samples"]
+                acc[1] += r["samples"]
+            times.setdefault(r["step"], r["unix_time"])
+        start = min(times.values(), default=0.0)
+        steps = sorted(sums)
+        return (
+            steps,
+            [sums[s][0] / sums[s][1] for s in steps],
+            [times[s] - start for s in steps],
+        )
+
+
+def png(fig: Figure) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def plot_loss(runs: list[Run]) -> str:
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for run in runs:
+        steps, loss, seconds = run.loss_by_step()
+        by_step.plot(steps, loss, label=run.label)
+        by_time.plot(seconds, loss, label=run.label)
+    by_step.set(xlabel="step", ylabel="training loss", yscale="log", title="loss by step")
+    by_time.set(xlabel="wall time (s)", ylabel="training loss", yscale="log",
+                title="loss by wall time")  # fmt: skip
+    by_step.legend(fontsize=8)
+    return png(fig)
+
+
+def plot_rank_rates(runs: list[Run]) -> str:
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    for run in runs:
+        ranks = sorted({r["rank"] for r in run.records})
+        for rank in ranks:
+            mine = [r for r in run.records if r["rank"] == rank and r["step_s"] > 0]
+            ax.plot([r["step"] for r in mine], [r["samples"] / r["step_s"] for r in mine],
+                    linewidth=0.8, label=f"{run.dir.name} rank {rank}")  # fmt: skip
+    ax.set(xlabel="step", ylabel="samples/s", title="samples per second of each rank")
+    ax.legend(fontsize=7, ncol=4)
+    return png(fig)
+
+
+def plot_breakdown(runs: list[Run]) -> str:
+    """Mean step per rank: data, compute, hidden communication, blocked, checkpoint."""
+    parts = ("data", "compute", "blocked on communication", "checkpoint")
+    fig, ax = plt.subplots(figsize=(11, 0.6 * len(runs) + 1.8))
+    for i, run in enumerate(runs):
+        t, steps = run.summary["time_breakdown"], max(run.summary["steps"], 1)
+        values = [t["data_s"], t["compute_s"], t["wait_s"], t["checkpoint_s"]]
+        left = 0.0
+        for part, value, color in zip(parts, values, ("#999", "#4c72b0", "#c44e52", "#dd8452"),
+                                      strict=True):  # fmt: skip
+            ms = value / steps * 1e3
+            ax.barh(i, ms, left=left, color=color, label=part if i == 0 else None)
+            left += ms
+    ax.set_yticks(range(len(runs)), [r.label for r in runs], fontsize=8)
+    ax.set(xlabel="ms per step (mean over ranks)", title="where a step's time goes")
+    ax.legend(fontsize=8, loc="lower right")
+    return png(fig)
+
+
+def plot_scaling(runs: list[Run]) -> str | None:
+    by_world: dict[int, float] = {}
+    for run in runs:
+        rate = run.summary.get("samples_per_s")
+        if rate:
+            world = run.summary["world_size"]
+            by_world[world] = max(rate, by_world.get(world, 0.0))
+    if len(by_world) < 2:
+        return None
+    worlds = sorted(by_world)
+    per_worker = by_world[worlds[0]] / worlds[0]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(worlds, [by_world[w] for w in worlds], "o-", label="measured")
+    ax.plot(worlds, [per_worker * w for w in worlds], "--", color="gray", label="ideal")
+    ax.set(xlabel="workers", ylabel="samples/s", title="scaling", xticks=worlds)
+    ax.legend()
+    return png(fig)
+
+
+def plot_staleness(runs: list[Run]) -> str | None:
+    with_hist = [r for r in runs if r.summary.get("staleness_histogram")]
+    if not with_hist:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run in with_hist:
+        hist = {int(k): v for k, v in run.summary["staleness_histogram"].items()}
+        ax.bar(list(hist), list(hist.values()), alpha=0.6, label=run.label)
+    ax.set(xlabel="staleness (versions)", ylabel="applied gradients", title="staleness")
+    ax.legend(fontsize=8)
+    return png(fig)
+
+
+def plot_recoveries(run: Run) -> str:
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    start = min(r["unix_time"] for r in run.records)
+    for rank in sorted({r["rank"] for r in run.records}):
+        mine = [r for r in run.records if r["rank"] == rank]
+        ax.plot([r["unix_time"] - start for r in mine], [r["step"] for r in mine], ".",
+                markersize=2, label=f"rank {rank}")  # fmt: skip
+    for i, rec in enumerate(run.summary["recoveries"]):
+        failed_at = rec.get("failed_at")
+        if failed_at is None and rec.get("detected_at") and rec.get("detected_s") is not None:
+            failed_at = rec["detected_at"] - rec["detected_s"]
+        if failed_at:
+            ax.axvline(failed_at - start, color="red", linestyle="--",
+                       label="failure" if i == 0 else None)  # fmt: skip
+            if rec.get("detected_s") is not None and rec.get("resumed_s") is not None:
+                back = failed_at - start + rec["detected_s"] + rec["resumed_s"]
+                ax.axvline(back, color="green", linestyle=":",
+                           label="training again" if i == 0 else None)  # fmt: skip
+    ax.set(xlabel="wall time (s)", ylabel="step", title=f"{run.label}: steps and failures")
+    ax.legend(fontsize=8)
+    return png(fig)
+
+
+def headline_rows(runs: list[Run]) -> str:
+    def fmt(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    rows = []
+    for run in runs:
+        s = run.summary
+        rows.append(
+            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
+                run.dir.name, s["strategy"], s["world_size"], s["steps"],
+                fmt(s.get("samples_per_s"), ",.0f"), fmt(s.get("final_loss"), ".4f"),
+                fmt(s.get("test_accuracy"), ".2%"), f"{s.get('comm_share', 0):.0%}",
+                f"{s.get('comm_bytes_per_step', 0) / 1e6:.2f}", len(s.get("recoveries", [])),
+            )) + "</tr>"
+        )  # fmt: skip
+    head = ("run", "strategy", "workers", "steps", "samples/s", "final loss", "test accuracy",
+            "comm share", "MB sent/step/rank", "recoveries")  # fmt: skip
+    return (
+        "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
+        + "".join(rows) + "</table>"
+    )  # fmt: skip
+
+
+def build_report(run_dirs: list[Path]) -> str:
+    runs = [Run(d) for d in run_dirs]
+    sections = [("Runs", headline_rows(runs))]
+
+    def image(title: str, data: str | None) -> None:
+        if data is not None:
+            alt = html.escape(title)
+            sections.append((title, f'<img alt="{alt}" src="data:image/png;base64,{data}">'))
+
+    image("Loss", plot_loss(runs))
+    image("Samples per second per rank", plot_rank_rates(runs))
+    image("Step time breakdown", plot_breakdown(runs))
+    image("Scaling", plot_scaling(runs))
+    image("Staleness", plot_staleness(runs))
+    for run in runs:
+        if run.summary.get("recoveries") and run.records:
+            image(f"Recoveries of {run.dir.name}", plot_recoveries(run))
+    body = "\n".join(f"<h2>{html.escape(t)}</h2>\n{content}" for t, content in sections)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>scaletrain report</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; max-width: 1200px; }}
+table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; }}
+img {{ max-width: 100%; }}
+</style></head><body>
+<h1>scaletrain report</h1>
+{body}
+</body></html>
+"""
+
+
+def write_report(run_dirs: list[Path], out: Path) -> Path:
+    text = build_report(run_dirs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    return out

@@ -1,0 +1,54 @@
+"""`scaletrain report`: one self-contained HTML page about real runs, every plot embedded."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+
+from PIL import Image
+
+from tests.conftest import run_cli
+
+
+def embedded_images(page: str) -> list[Image.Image]:
+    """Every <img> on the page, decoded: each must be an embedded PNG that loads."""
+    sources = re.findall(r'<img alt="[^"]*" src="([^"]+)"', page)
+    assert sources and len(sources) == page.count("<img ")
+    images = []
+    for src in sources:
+        assert src.startswith("data:image/png;base64,"), src[:40]
+        image = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1])))
+        image.load()
+        images.append(image)
+    return images
+
+
+def test_report_of_two_world_sizes_and_a_failure(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["--dataset", "digits", "--max-steps", "30", "--num-threads", "1"]
+    assert run_cli("run", *common, "--nproc-per-node", "1", "--out", str(one)).returncode == 0
+    result = run_cli("run", *common, "--nproc-per-node", "2", "--max-restarts", "1",
+                     "--checkpoint-every", "10", "--inject", "kill:rank=1:step=15",
+                     "--out", str(two))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "page" / "report.html"
+    result = run_cli("report", str(one), str(two), "--out", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert str(out) in result.stdout
+    page = out.read_text()
+    for title in ("Loss", "Samples per second per rank", "Step time breakdown", "Scaling",
+                  "Recoveries of two"):  # fmt: skip
+        assert f"<h2>{title}</h2>" in page
+    assert "Staleness" not in page  # no parameter-server run here
+    images = embedded_images(page)
+    assert len(images) == 5 and all(i.width > 300 and i.height > 200 for i in images)
+    assert "one" in page and "two" in page
+
+
+def test_report_refuses_a_directory_without_summary(tmp_path):
+    (tmp_path / "half").mkdir()
+    result = run_cli("report", str(tmp_path / "half"), timeout=60)
+    assert result.returncode == 2
+    assert f"{tmp_path / 'half'} has no summary.json" in result.stderr
+    assert "Traceback" not in result.stderr
