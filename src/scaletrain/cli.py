@@ -29,12 +29,18 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "inject": "kill:rank=1:step=60",
 }
 FLAG_ALIASES = {"data_dir": ["--data"]}  # the short name users reach for first
+# Flags `scaletrain bench` takes as lists of its own instead of one run's value.
+BENCH_OWN = frozenset({"strategy", "compression", "nproc_per_node", "out"})
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
+def add_config_flags(
+    parser: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()
+) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML run configuration")
     types = {"int": int, "float": float, "str": str}
     for name, (section, f) in leaf_fields().items():
+        if name in exclude:
+            continue
         flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, [])]
         where = f"[{section}] {name}" if section else name
         options: dict[str, Any] = {
@@ -56,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_config_flags(sub.add_parser("run", help="train with the given configuration"))
     add_config_flags(sub.add_parser("demo", help="2 local workers train the CNN on digits"))
+    bench = sub.add_parser("bench", help="run a job over a grid of workers, strategies, ...")
+    bench.add_argument("--nproc", default="1,2", help="worker counts, e.g. 1,2,4")
+    bench.add_argument("--strategy", dest="strategies", default="ddp", help="e.g. ddp,local_sgd")
+    bench.add_argument("--compression", dest="compressions", default="none",
+                       help="e.g. none,powersgd")  # fmt: skip
+    bench.add_argument(
+        "--bandwidth", default="", help="shaped links, e.g. 1gbit,100mbit (netns lab, root)"
+    )
+    bench.add_argument("--out", default="", help="sweep directory (default runs/bench-<time>)")
+    add_config_flags(bench, exclude=BENCH_OWN)
     report = sub.add_parser("report", help="write one HTML page with plots of finished runs")
     report.add_argument("run_dirs", nargs="+", help="run directories (with summary.json)")
     report.add_argument(
@@ -94,6 +110,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         print(f"done; rank 0 ran on another node. Run directory: {summary['run_dir']}")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from scaletrain.analysis.sweep import parse_list, plan, render, sweep
+
+    cfg = load_toml(args.config) if args.config else RunConfig()
+    cfg = with_overrides(cfg, {k: v for k, v in vars(args).items() if k in leaf_fields()})
+    points = plan(
+        parse_list(args.nproc, "nproc", int),
+        parse_list(args.strategies, "strategy"),
+        parse_list(args.compressions, "compression"),
+        parse_list(args.bandwidth, "bandwidth") if args.bandwidth else [""],
+    )
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    table = sweep(cfg, out, points)
+    render(table)
+    print(f"table: {out / 'bench.csv'}")
+    finished = sum(r["status"] == "ok" for r in table)
+    return 0 if finished else 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -147,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     from scaletrain.launch import LaunchFailed, WorkerFailed
 
     try:
-        commands = {"shard": cmd_shard, "report": cmd_report}
+        commands = {"shard": cmd_shard, "report": cmd_report, "bench": cmd_bench}
         return commands.get(args.command, cmd_run)(args)
     except ValueError as e:
         fail(f"error: {e}")

@@ -1,0 +1,58 @@
+"""`scaletrain bench`: a sweep of real runs gathered into one table and a CSV; points that
+cannot run here are reported with the reason, and the rest still finishes."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from scaletrain.netns import unavailable_reason
+from tests.conftest import run_cli
+
+JOB = ["--dataset", "digits", "--max-steps", "20", "--num-threads", "1"]
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_sweep_table_csv_and_a_point_that_cannot_run(tmp_path):
+    out = tmp_path / "sweep"
+    result = run_cli("bench", "--nproc", "1,2", "--strategy", "ddp,ps", *JOB, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = read_csv(out / "bench.csv")
+    assert [(r["nproc"], r["strategy"]) for r in rows] == [
+        ("1", "ddp"), ("2", "ddp"), ("1", "ps"), ("2", "ps")]  # fmt: skip
+    one, two = rows[0], rows[1]
+    assert one["status"] == two["status"] == "ok"
+    assert float(one["speedup"]) == 1.0 and float(one["efficiency"]) == 1.0
+    assert float(two["samples_per_s"]) > 0
+    assert float(two["speedup"]) == pytest.approx(
+        float(two["samples_per_s"]) / float(one["samples_per_s"])
+    )
+    assert float(two["mb_per_step"]) > 0 and float(one["mb_per_step"]) == 0
+    for row in rows[2:]:
+        assert row["status"].startswith("cannot run: unknown strategy 'ps'")
+        assert row["samples_per_s"] == ""
+    assert "skip [1]" in result.stdout and "[1] cannot run: unknown strategy 'ps'" in result.stdout
+    assert (out / "ddp-none-loopback-w2" / "summary.json").exists()
+
+
+def test_bad_sweep_values_are_refused(tmp_path):
+    for args, message in [(["--nproc", "0"], "--nproc values must be >= 1"),
+                          (["--nproc", "two"], "--nproc must be ints")]:  # fmt: skip
+        result = run_cli("bench", *args, "--out", str(tmp_path / "s"), timeout=60)
+        assert result.returncode == 2
+        assert message in result.stderr
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+def test_sweep_over_a_shaped_link(tmp_path):
+    out = tmp_path / "sweep"
+    result = run_cli("bench", "--nproc", "2", "--bandwidth", "200mbit", *JOB, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    [row] = read_csv(out / "bench.csv")
+    assert row["status"] == "ok" and row["bandwidth"] == "200mbit"
+    assert float(row["comm_share"]) > 0
