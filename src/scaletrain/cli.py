@@ -72,6 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default="", help="sweep directory (default runs/bench-<time>)")
     add_config_flags(bench, exclude=BENCH_OWN)
+    predict = sub.add_parser("predict", help="predict step time and efficiency at scale")
+    predict.add_argument(
+        "--calibrate", required=True, metavar="RUN_DIR", help="a finished 1-worker run of the job"
+    )
+    predict.add_argument("--workers", default="2,8,64,1024", help="worker counts")
+    predict.add_argument("--bandwidth", default="10gbit", help="per-link bandwidth, e.g. 10gbit")
+    predict.add_argument("--latency-us", type=float, default=30.0, help="per-message latency")
+    predict.add_argument(
+        "--methods",
+        default="ddp,local_sgd:8,ps:4,compressed:100:10",
+        help="ddp, local_sgd:H, ps:K, compressed:RATIO[:ENCODE_MS], pipeline:P:M",
+    )
+    predict.add_argument(
+        "--cores", type=int, default=0, help="cores the workers share (0: each has its own)"
+    )
     report = sub.add_parser("report", help="write one HTML page with plots of finished runs")
     report.add_argument("run_dirs", nargs="+", help="run directories (with summary.json)")
     report.add_argument(
@@ -131,6 +146,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if finished else 1
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from scaletrain.analysis import costmodel
+    from scaletrain.analysis.sweep import parse_list
+    from scaletrain.netns import parse_rate
+
+    measured = costmodel.calibrate_run(Path(args.calibrate))
+    cal = costmodel.Calibration(
+        compute_s=measured["compute_s"], batch_size=int(measured["batch_size"]),
+        grad_bytes=int(measured["grad_bytes"]), latency_s=args.latency_us * 1e-6,
+        bandwidth_Bps=parse_rate(args.bandwidth) / 8, overlap=measured["overlap"],
+        cores=args.cores,
+    )  # fmt: skip
+    table = Table(title=f"predicted at {args.bandwidth}, {args.latency_us:g} us latency",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)  # fmt: skip
+    for column in ("W", "method", "step ms", "compute ms", "comm ms", "samples/s", "effic."):
+        table.add_column(column, no_wrap=True)
+    for method in parse_list(args.methods, "methods"):
+        for workers in parse_list(args.workers, "workers", int):
+            p = costmodel.predict_method(cal, method, workers)
+            table.add_row(str(p.workers), p.method, f"{p.step_s * 1e3:,.1f}",
+                          f"{p.compute_s * 1e3:,.1f}", f"{p.comm_s * 1e3:,.1f}",
+                          f"{p.samples_per_s:,.0f}", f"{p.efficiency:.0%}")  # fmt: skip
+            if method.startswith("pipeline"):
+                break
+    console = Console()
+    console.print(
+        f"calibrated from {args.calibrate}: {cal.compute_s * 1e3:.1f} ms per step without "
+        f"communication at batch {cal.batch_size} per worker, {cal.grad_bytes / 1e6:.1f} MB "
+        f"of gradients, overlap {cal.overlap:.0%}",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    console.print(table)
+    console.print(
+        "assumes: every worker has its own compute and a link at the bandwidth; ring "
+        "all-reduce; no stragglers or noise; ps is synchronous with the busiest server link as "
+        "its bound; see scaletrain/analysis/costmodel.py for every formula",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from scaletrain.analysis.report import write_report
 
@@ -182,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     from scaletrain.launch import LaunchFailed, WorkerFailed
 
     try:
-        commands = {"shard": cmd_shard, "report": cmd_report, "bench": cmd_bench}
+        commands = {"shard": cmd_shard, "report": cmd_report, "bench": cmd_bench,
+                    "predict": cmd_predict}  # fmt: skip
         return commands.get(args.command, cmd_run)(args)
     except ValueError as e:
         fail(f"error: {e}")

@@ -1,0 +1,208 @@
+"""A cost model of one training step, calibrated from short measurements: predict step time,
+throughput and scaling efficiency for more workers and other links before renting them.
+
+Pure functions. Inputs (``Calibration``): the single-worker step compute time at the
+per-worker batch (forward, backward, optimizer, data), the gradient bytes, and the link: a
+per-message latency and a bandwidth, fitted from all-reduce probes (analysis/probe.py) as
+``t(n bytes) = 2 (W-1) latency + 2 (W-1)/W n / bandwidth``.
+
+Formulas and what they assume:
+
+- **ddp** (ring all-reduce): ``comm = 2 (W-1) lat + 2 (W-1)/W G / bw`` for G gradient bytes;
+  ``step = compute + (1 - overlap) comm``, ``overlap`` the share of communication hidden behind
+  backward (measured by scaletrain on every run; ~0 for gloo on CPU, where the all-reduce
+  needs the cores backward uses).
+- **compression** (ratio c, encode+decode e seconds per step): the same with G / c, plus e.
+  Compressors that all-gather instead of all-reduce (top-k, sign) send (W-1) G / c: their
+  cost grows with W.
+- **local_sgd / diloco** every H steps: ``step = compute + comm / H``.
+- **ps** with K server shards: every worker pushes and pulls G per step; its own link carries
+  2G, and the busiest server link ``2 W G / K``: ``comm = 2 lat + max(2G, 2WG/K) / bw``.
+  Synchronous (bsp) timing; asynchronous modes hide it behind compute only when servers keep
+  up (not modelled).
+- **pipeline** (P stages, M microbatches): ``step = compute / P x (M + P - 1) / M`` plus
+  ``2 (M + P - 2)`` activation hops of latency; the bubble is (P-1)/(M+P-1).
+
+Every worker is assumed to have its own compute (a device, or its own cores) and its own
+link at ``bandwidth``: ``cores`` (optional) says how many cores the workers share on one
+host, and compute then slows by ``W x threads / cores`` when they oversubscribe it, which is
+what happens on this 2-core machine beyond 2 workers. Noise, stragglers and the slowest
+worker's wait are not modelled.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from scaletrain.metrics.sinks import read_jsonl
+
+GATHER_COMPRESSORS = ("topk", "sign")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    compute_s: float  # one worker's step without communication, at the per-worker batch
+    batch_size: int  # per worker
+    grad_bytes: int  # fp32 gradient bytes per step
+    latency_s: float  # per message
+    bandwidth_Bps: float  # per link, bytes per second
+    overlap: float = 0.0  # share of gradient communication hidden behind backward
+    cores: int = 0  # cores the workers share on one host (0: each worker has its own)
+    threads_per_worker: int = 1
+
+
+@dataclass(frozen=True)
+class Prediction:
+    method: str
+    workers: int
+    step_s: float
+    compute_s: float
+    comm_s: float
+    samples_per_s: float
+    efficiency: float  # samples/s over (workers x one worker's samples/s without comm)
+
+
+def fit_link(sizes: list[int], seconds: list[float], workers: int) -> tuple[float, float]:
+    """(latency_s, bandwidth_Bps) from all-reduce times of several sizes, least squares on
+    t = 2 (W-1) lat + 2 (W-1)/W n / bw."""
+    n = len(sizes)
+    if n < 2 or workers < 2:
+        raise ValueError("fit_link: need at least two sizes and two workers")
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / sxx
+    intercept = mean_y - slope * mean_x
+    bandwidth = 2 * (workers - 1) / workers / slope if slope > 0 else float("inf")
+    return max(intercept, 0.0) / (2 * (workers - 1)), bandwidth
+
+
+def allreduce_s(nbytes: float, workers: int, cal: Calibration) -> float:
+    if workers <= 1:
+        return 0.0
+    return (
+        2 * (workers - 1) * cal.latency_s + 2 * (workers - 1) / workers * nbytes / cal.bandwidth_Bps
+    )
+
+
+def allgather_s(nbytes: float, workers: int, cal: Calibration) -> float:
+    if workers <= 1:
+        return 0.0
+    return (workers - 1) * (cal.latency_s + nbytes / cal.bandwidth_Bps)
+
+
+def compute_s(cal: Calibration, workers: int) -> float:
+    """One worker's compute, slowed when workers oversubscribe the cores they share."""
+    if cal.cores and workers * cal.threads_per_worker > cal.cores:
+        return cal.compute_s * workers * cal.threads_per_worker / cal.cores
+    return cal.compute_s
+
+
+def _prediction(method: str, workers: int, cal: Calibration, compute: float,
+                comm_total: float, step: float) -> Prediction:  # fmt: skip
+    rate = workers * cal.batch_size / step
+    ideal = workers * cal.batch_size / cal.compute_s
+    return Prediction(method, workers, step, compute, comm_total, rate, rate / ideal)
+
+
+def predict_ddp(cal: Calibration, workers: int, *, ratio: float = 1.0, encode_s: float = 0.0,
+                compressor: str = "none") -> Prediction:  # fmt: skip
+    compute = compute_s(cal, workers)
+    payload = cal.grad_bytes / ratio
+    if compressor in GATHER_COMPRESSORS:
+        comm = allgather_s(payload, workers, cal)
+    else:
+        comm = allreduce_s(payload, workers, cal)
+    encode = encode_s if workers > 1 else 0.0
+    step = compute + encode + (1 - cal.overlap) * comm
+    name = "ddp" if compressor == "none" else f"ddp+{compressor}"
+    return _prediction(name, workers, cal, compute, comm + encode, step)
+
+
+def predict_local_sgd(cal: Calibration, workers: int, sync_every: int) -> Prediction:
+    compute = compute_s(cal, workers)
+    comm = allreduce_s(cal.grad_bytes, workers, cal) / sync_every
+    return _prediction(f"local_sgd H={sync_every}", workers, cal, compute, comm, compute + comm)
+
+
+def predict_ps(cal: Calibration, workers: int, servers: int) -> Prediction:
+    compute = compute_s(cal, workers)
+    g = cal.grad_bytes
+    busiest = max(2 * g, 2 * workers * g / servers)
+    comm = 2 * cal.latency_s + busiest / cal.bandwidth_Bps
+    return _prediction(f"ps K={servers}", workers, cal, compute, comm, compute + comm)
+
+
+def predict_pipeline(cal: Calibration, stages: int, microbatches: int) -> Prediction:
+    """One pipeline of ``stages`` workers on the per-worker batch of one: the step's compute
+    is shared by the stages, stretched by the bubble."""
+    per_stage = compute_s(cal, stages) / stages
+    m, p = microbatches, stages
+    hops = 2 * (m + p - 2) * cal.latency_s if p > 1 else 0.0
+    step = per_stage * (m + p - 1) / m + hops
+    rate = cal.batch_size / step
+    ideal = stages * cal.batch_size / cal.compute_s
+    return Prediction(f"pipeline M={m}", stages, step, per_stage * (m + p - 1) / m, hops, rate,
+                      rate / ideal)  # fmt: skip
+
+
+def bubble(stages: int, microbatches: int) -> float:
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def with_link(cal: Calibration, *, bandwidth_Bps: float | None = None,
+              latency_s: float | None = None) -> Calibration:  # fmt: skip
+    """The same job on another network."""
+    return replace(
+        cal,
+        bandwidth_Bps=cal.bandwidth_Bps if bandwidth_Bps is None else bandwidth_Bps,
+        latency_s=cal.latency_s if latency_s is None else latency_s,
+    )
+
+
+def calibrate_run(run_dir: Path, warmup: int = 3) -> dict[str, float]:
+    """From a finished 1-worker run of the job: its step time without communication (median
+    of rank 0's compute + data per step after ``warmup`` steps), the per-worker batch, the
+    gradient bytes (= parameter bytes, fp32) and the measured overlap."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl")
+               if r["rank"] == 0 and r["step"] > warmup]  # fmt: skip
+    if not records:
+        raise ValueError(f"calibrate: {run_dir} has no steps after the first {warmup}")
+    grad_bytes = summary["per_rank"][0].get("memory", {}).get("param_bytes")
+    if not grad_bytes:
+        raise ValueError(f"calibrate: {run_dir}'s summary.json does not say the model's size")
+    return {
+        "compute_s": statistics.median(r["compute_s"] + r["data_s"] for r in records),
+        "batch_size": summary["batch_size_per_worker"],
+        "grad_bytes": grad_bytes,
+        "overlap": summary.get("overlap") or 0.0,
+    }
+
+
+def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
+    """``ddp``, ``local_sgd:H``, ``ps:K``, ``compressed:RATIO[:ENCODE_MS]`` (an all-reduce
+    compressor such as PowerSGD), ``pipeline:P:M`` (workers ignored: one pipeline of P)."""
+    name, *args = method.split(":")
+    try:
+        numbers = [float(a) for a in args]
+        if name == "ddp" and not numbers:
+            return predict_ddp(cal, workers)
+        if name == "local_sgd" and len(numbers) == 1:
+            return predict_local_sgd(cal, workers, int(numbers[0]))
+        if name == "ps" and len(numbers) == 1:
+            return predict_ps(cal, workers, int(numbers[0]))
+        if name == "compressed" and len(numbers) in (1, 2):
+            encode = numbers[1] / 1e3 if len(numbers) == 2 else 0.0
+            return replace(predict_ddp(cal, workers, ratio=numbers[0], encode_s=encode,
+                                       compressor="x"), method=method)  # fmt: skip
+        if name == "pipeline" and len(numbers) == 2:
+            return predict_pipeline(cal, int(numbers[0]), int(numbers[1]))
+    except ValueError:
+        pass
+    raise ValueError(
+        f"predict: cannot read method {method!r}; use ddp, local_sgd:H, ps:K, "
+        "compressed:RATIO[:ENCODE_MS] or pipeline:P:M"
+    )
