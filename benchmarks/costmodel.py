@@ -3,8 +3,9 @@ and a few all-reduce probes, predicts the step time of configurations it was not
 20% on this machine.
 
 Job: a 4.2M-parameter MLP (16.8 MB of fp32 gradients) on synthetic 32x32 images, batch 64 per
-worker, one thread per worker. Calibration: a 1-worker run (compute per step, model size) and
-gloo all-reduce probes between 2 processes on loopback and across the network-namespace lab
+worker, one thread per worker. Calibration: a 1-worker run (compute per step, model size), 2
+co-located workers that never synchronize (local_sgd with H beyond the run: what sharing the
+host costs compute), and gloo all-reduce probes between 2 processes on loopback and across the network-namespace lab
 at 100 Mbit/s (latency and bandwidth, fitted). Then each configuration runs for real and its
 measured step (rank 0's mean over the steps after a warm-up, whole local_sgd periods) is set
 beside the prediction. The 4-worker row runs 4 workers on this machine's 2 cores: the model
@@ -94,9 +95,16 @@ def main() -> None:
         print(f"100mbit rows skipped: {unavailable_reason()}")
     with tempfile.TemporaryDirectory() as tmp:
         calibration = costmodel.calibrate_run(run_local(1, [], 24, Path(tmp) / "single"))
+        # Two co-located workers that never synchronize: the host's contention alone.
+        apart = run_local(2, ["--strategy", "local_sgd", "--sync-every", "1000"], 16,
+                          Path(tmp) / "apart")  # fmt: skip
+        calibration["colocated_slowdown"] = (
+            costmodel.calibrate_run(apart)["compute_s"] / calibration["compute_s"]
+        )
         links = {net: link(net) for net in networks}
         print(f"calibration: {calibration['compute_s'] * 1e3:.1f} ms per step without "
-              f"communication, {calibration['grad_bytes'] / 1e6:.1f} MB of gradients")  # fmt: skip
+              f"communication, {calibration['grad_bytes'] / 1e6:.1f} MB of gradients, "
+              f"co-located workers {calibration['colocated_slowdown']:.2f}x slower")  # fmt: skip
         for net, (lat, bw) in links.items():
             print(f"link {net}: latency {lat * 1e6:.0f} us, bandwidth {bw * 8 / 1e6:,.0f} Mbit/s")
         rows = []
@@ -116,7 +124,7 @@ def main() -> None:
         cal = costmodel.Calibration(
             compute_s=calibration["compute_s"], batch_size=int(calibration["batch_size"]),
             grad_bytes=int(calibration["grad_bytes"]), latency_s=lat, bandwidth_Bps=bw,
-            cores=os.cpu_count() or 1,
+            cores=os.cpu_count() or 1, colocated_slowdown=calibration["colocated_slowdown"],
         )  # fmt: skip
         predicted = costmodel.predict_method(cal, row["method"], row["workers"]).step_s
         ratio = predicted / row["measured_step_s"]

@@ -24,10 +24,11 @@ Formulas and what they assume:
   ``2 (M + P - 2)`` activation hops of latency; the bubble is (P-1)/(M+P-1).
 
 Every worker is assumed to have its own compute (a device, or its own cores) and its own
-link at ``bandwidth``: ``cores`` (optional) says how many cores the workers share on one
-host, and compute then slows by ``W x threads / cores`` when they oversubscribe it, which is
-what happens on this 2-core machine beyond 2 workers. Noise, stragglers and the slowest
-worker's wait are not modelled.
+link at ``bandwidth``. ``cores`` (optional) says instead that the workers share one host of
+that many cores: compute then slows by the measured ``colocated_slowdown`` (2 workers that
+never synchronize, against 1 alone) and by ``W x threads / cores`` when they oversubscribe it,
+which is what happens on this 2-core machine beyond 2 workers. Noise, stragglers and the
+slowest worker's wait are not modelled.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class Calibration:
     overlap: float = 0.0  # share of gradient communication hidden behind backward
     cores: int = 0  # cores the workers share on one host (0: each worker has its own)
     threads_per_worker: int = 1
+    # On a shared host: compute of one of several co-located workers over that of a worker
+    # alone (memory bandwidth, caches, the other processes), measured by running 2 workers
+    # that never synchronize.
+    colocated_slowdown: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,10 +99,12 @@ def allgather_s(nbytes: float, workers: int, cal: Calibration) -> float:
 
 
 def compute_s(cal: Calibration, workers: int) -> float:
-    """One worker's compute, slowed when workers oversubscribe the cores they share."""
-    if cal.cores and workers * cal.threads_per_worker > cal.cores:
-        return cal.compute_s * workers * cal.threads_per_worker / cal.cores
-    return cal.compute_s
+    """One worker's compute; on a shared host (``cores``) slowed by co-location, and by
+    oversubscription when the workers' threads outnumber the cores."""
+    if not cal.cores or workers <= 1:
+        return cal.compute_s
+    oversubscribed = max(1.0, workers * cal.threads_per_worker / cal.cores)
+    return cal.compute_s * cal.colocated_slowdown * oversubscribed
 
 
 def _prediction(method: str, workers: int, cal: Calibration, compute: float,
