@@ -38,6 +38,16 @@ def test_sweep_table_csv_and_a_point_that_cannot_run(tmp_path):
         assert row["samples_per_s"] == ""
     assert "skip [1]" in result.stdout and "[1] cannot run: unknown strategy 'ps'" in result.stdout
     assert (out / "ddp-none-loopback-w2" / "summary.json").exists()
+    # The sweep's 1-worker run calibrates the cost model for a cluster this machine is not.
+    result = run_cli("predict", "--calibrate", str(out / "ddp-none-loopback-w1"),
+                     "--workers", "8,1024", "--bandwidth", "10gbit",
+                     "--methods", "ddp,local_sgd:8,ps:4", timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = [line.split() for line in result.stdout.splitlines()]
+    assert [row[:2] for row in lines if row and row[0] in ("8", "1024")] == [
+        ["8", "ddp"], ["1024", "ddp"], ["8", "local_sgd"], ["1024", "local_sgd"],
+        ["8", "ps"], ["1024", "ps"]]  # fmt: skip
+    assert "assumes:" in result.stdout
 
 
 def test_bad_sweep_values_are_refused(tmp_path):

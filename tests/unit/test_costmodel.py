@@ -1,0 +1,81 @@
+"""The cost model: its formulas on numbers worked by hand, the link fit, and its predictions
+against step times measured on this machine (recorded by benchmarks/costmodel.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaletrain.analysis import costmodel
+from scaletrain.analysis.costmodel import Calibration, predict_method
+
+RECORDED = Path(__file__).parents[1] / "data" / "costmodel_recorded.json"
+
+
+def cal(**overrides) -> Calibration:
+    base = {"compute_s": 0.1, "batch_size": 32, "grad_bytes": 100_000_000,
+            "latency_s": 1e-4, "bandwidth_Bps": 1e9}  # fmt: skip
+    return Calibration(**{**base, **overrides})
+
+
+def test_ring_allreduce_and_ddp_by_hand():
+    # 4 workers: 2 * 3/4 * 100 MB / 1 GB/s = 0.15 s, plus 6 latencies of 0.1 ms.
+    p = costmodel.predict_ddp(cal(), 4)
+    assert p.comm_s == pytest.approx(0.15 + 6e-4)
+    assert p.step_s == pytest.approx(0.1 + 0.1506)
+    assert p.samples_per_s == pytest.approx(4 * 32 / 0.2506)
+    assert p.efficiency == pytest.approx(0.1 / 0.2506)
+    # Half of the communication hidden behind backward.
+    assert costmodel.predict_ddp(cal(overlap=0.5), 4).step_s == pytest.approx(0.1 + 0.0753)
+    assert costmodel.predict_ddp(cal(), 1).step_s == 0.1  # nothing to communicate
+
+
+def test_compression_local_sgd_ps_and_pipeline_by_hand():
+    c = cal()
+    squeezed = predict_method(c, "compressed:100:5", 4)  # 100x fewer bytes, 5 ms to encode
+    assert squeezed.step_s == pytest.approx(0.1 + 0.005 + 0.0015 + 6e-4)
+    assert predict_method(c, "local_sgd:10", 4).comm_s == pytest.approx(0.1506 / 10)
+    # 8 workers, 2 servers: the busiest server link carries 2 * 8 * 100 MB / 2 = 800 MB.
+    assert predict_method(c, "ps:2", 8).comm_s == pytest.approx(2e-4 + 0.8)
+    assert predict_method(c, "ps:16", 8).comm_s == pytest.approx(2e-4 + 0.2)  # worker link
+    pipe = predict_method(c, "pipeline:4:12", 99)  # one pipeline of 4; workers ignored
+    assert pipe.workers == 4
+    assert pipe.step_s == pytest.approx(0.1 / 4 * 15 / 12 + 2 * 14 * 1e-4)
+    assert costmodel.bubble(4, 12) == pytest.approx(3 / 15)
+    with pytest.raises(ValueError, match="cannot read method 'ps'"):
+        predict_method(c, "ps", 4)
+
+
+def test_shared_host_slows_compute():
+    shared = cal(cores=2, colocated_slowdown=1.2)
+    assert costmodel.compute_s(shared, 1) == 0.1
+    assert costmodel.compute_s(shared, 2) == pytest.approx(0.12)
+    assert costmodel.compute_s(shared, 4) == pytest.approx(0.24)  # 4 workers on 2 cores
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    lat, bw, w = 50e-6, 2.5e8, 2
+    sizes = [4096, 1 << 20, 8 << 20]
+    times = [2 * (w - 1) * lat + 2 * (w - 1) / w * n / bw for n in sizes]
+    got_lat, got_bw = costmodel.fit_link(sizes, times, w)
+    assert got_lat == pytest.approx(lat) and got_bw == pytest.approx(bw)
+
+
+def test_predictions_within_20_percent_of_recorded_measurements():
+    """benchmarks/costmodel.py calibrated the model from a 1-worker run, 2 workers that never
+    synchronize and all-reduce probes, then measured these configurations for real (2-core
+    machine, loopback and a 100 Mbit/s tc-shaped link)."""
+    record = json.loads(RECORDED.read_text())
+    c = record["calibration"]
+    assert len(record["measured"]) >= 5
+    for row in record["measured"]:
+        latency, bandwidth = record["links"][row["network"]]
+        model = Calibration(
+            compute_s=c["compute_s"], batch_size=c["batch_size"], grad_bytes=c["grad_bytes"],
+            latency_s=latency, bandwidth_Bps=bandwidth, cores=record["cores"],
+            colocated_slowdown=c["colocated_slowdown"],
+        )  # fmt: skip
+        predicted = predict_method(model, row["method"], row["workers"]).step_s
+        assert predicted / row["measured_step_s"] == pytest.approx(1, abs=0.2), row
