@@ -6,10 +6,10 @@ Job: a 4.2M-parameter MLP (16.8 MB of fp32 gradients) on synthetic 32x32 images,
 worker, one thread per worker. Calibration: a 1-worker run (compute per step, model size), 2
 co-located workers that never synchronize (local_sgd with H beyond the run: what sharing the
 host costs compute), and gloo all-reduce probes between 2 processes on loopback and across
-the network-namespace lab at 100 Mbit/s (latency and bandwidth, fitted). Then each configuration runs for real and its
-measured step (rank 0's mean over the steps after a warm-up, whole local_sgd periods) is set
-beside the prediction. The 4-worker row runs 4 workers on this machine's 2 cores: the model
-is told (cores=2) and predicts the compute slowdown.
+the network-namespace lab at 100 Mbit/s (latency and bandwidth, fitted). Then each
+configuration runs for real, and its measured step (rank 0's mean over the steps after a
+warm-up, whole local_sgd periods) is set beside the prediction. The 4-worker row runs 4
+workers on this machine's 2 cores: the model is told (cores=2) and predicts the slowdown.
 
     python benchmarks/costmodel.py [--record tests/data/costmodel_recorded.json]
 
