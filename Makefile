@@ -38,6 +38,7 @@ bench: install
 	$(BIN)/python benchmarks/compression.py
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/pipeline_bubble.py
+	$(BIN)/python benchmarks/costmodel.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
