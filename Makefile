@@ -23,6 +23,7 @@ demo: install
 	$(BIN)/scaletrain demo
 
 test: install
+	bash scripts/install-chromium.sh
 	$(BIN)/pytest
 
 test-fast: install

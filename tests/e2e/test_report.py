@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 import io
 import re
+import shutil
 
+import pytest
 from PIL import Image
 
 from tests.conftest import run_cli
@@ -24,7 +26,10 @@ def embedded_images(page: str) -> list[Image.Image]:
     return images
 
 
-def test_report_of_two_world_sizes_and_a_failure(tmp_path):
+@pytest.fixture(scope="module")
+def report_page(tmp_path_factory):
+    """A report of real runs: 1 worker, and 2 workers with rank 1 killed and restarted."""
+    tmp_path = tmp_path_factory.mktemp("report")
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["--dataset", "digits", "--max-steps", "30", "--num-threads", "1"]
     assert run_cli("run", *common, "--nproc-per-node", "1", "--out", str(one)).returncode == 0
@@ -36,7 +41,11 @@ def test_report_of_two_world_sizes_and_a_failure(tmp_path):
     result = run_cli("report", str(one), str(two), "--out", str(out), timeout=120)
     assert result.returncode == 0, result.stderr
     assert str(out) in result.stdout
-    page = out.read_text()
+    return out
+
+
+def test_report_of_two_world_sizes_and_a_failure(report_page):
+    page = report_page.read_text()
     for title in ("Loss", "Samples per second per rank", "Step time breakdown", "Scaling",
                   "Recoveries of two"):  # fmt: skip
         assert f"<h2>{title}</h2>" in page
@@ -44,6 +53,39 @@ def test_report_of_two_world_sizes_and_a_failure(tmp_path):
     images = embedded_images(page)
     assert len(images) == 5 and all(i.width > 300 and i.height > 200 for i in images)
     assert "one" in page and "two" in page
+
+
+BROWSER_MISSING = next(
+    (f"{tool} is not installed (scripts/install-chromium.sh)" for tool in
+     ("chromium", "chromedriver") if shutil.which(tool) is None), None)  # fmt: skip
+
+
+@pytest.mark.skipif(BROWSER_MISSING is not None, reason=str(BROWSER_MISSING))
+def test_report_in_headless_chromium(report_page, tmp_path):
+    """As a person would see it: every image on the page loads, and nothing logs an error."""
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        driver.set_window_size(1280, 2000)
+        driver.get(report_page.as_uri())
+        images = driver.execute_script(
+            "return Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])"
+        )
+        assert len(images) == 5
+        for alt, complete, width in images:
+            assert complete and width > 300, alt
+        assert driver.title == "scaletrain report"
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert errors == []
+        driver.save_screenshot(str(tmp_path / "report.png"))
+    finally:
+        driver.quit()
 
 
 def test_report_refuses_a_directory_without_summary(tmp_path):

@@ -81,12 +81,16 @@ def png(fig: Figure) -> str:
 
 def plot_loss(runs: list[Run]) -> str:
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 3.8))
+    values: list[float] = []
     for run in runs:
         steps, loss, seconds = run.loss_by_step()
         by_step.plot(steps, loss, label=run.label)
         by_time.plot(seconds, loss, label=run.label)
-    by_step.set(xlabel="step", ylabel="training loss", yscale="log", title="loss by step")
-    by_time.set(xlabel="wall time (s)", ylabel="training loss", yscale="log",
+        values += loss
+    # Log scale once the loss spans decades; a linear one reads better over a short run.
+    scale = "log" if values and min(values) > 0 and max(values) / min(values) > 20 else "linear"
+    by_step.set(xlabel="step", ylabel="training loss", yscale=scale, title="loss by step")
+    by_time.set(xlabel="wall time (s)", ylabel="training loss", yscale=scale,
                 title="loss by wall time")  # fmt: skip
     by_step.legend(fontsize=8)
     return png(fig)
