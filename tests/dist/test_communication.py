@@ -66,7 +66,9 @@ def test_uncompressed_baseline_reports_its_communication(baseline):
     assert all(r["collectives"] > 2 for r in records if r["step"] > 2), "expected several buckets"
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+# bf16 is fp16's code path with another dtype (compression/fp16.py; unit tests cover its
+# cast): one training run of the pair keeps the suite inside its time budget.
+@pytest.mark.parametrize("method", sorted(m for m in METHODS if m != "bf16"))
 def test_method_reaches_ddp_accuracy(tmp_path, baseline, method):
     base_summary, _ = baseline
     summary, records = run(tmp_path, method, METHODS[method])

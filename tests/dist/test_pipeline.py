@@ -69,18 +69,18 @@ def test_pipelines_times_data_parallel(tmp_path, single):
 
 
 def test_pipeline_checkpoint_restart_gives_identical_weights(tmp_path):
-    common = ["--nproc-per-node", "3", "--strategy", "pipeline", "--max-steps", "12",
-              "--drop-last", "--microbatches", "4", "--deterministic", "--seed", "5",
+    common = ["--nproc-per-node", "2", "--strategy", "pipeline", "--max-steps", "8",
+              "--drop-last", "--microbatches", "2", "--deterministic", "--seed", "5",
               "--num-threads", "1"]  # fmt: skip
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     assert run_cli("run", *common, "--out", str(clean)).returncode == 0
-    result = run_cli("run", *common, "--checkpoint-every", "4", "--max-restarts", "1",
-                     "--inject", "kill:rank=1:step=7", "--out", str(killed))  # fmt: skip
+    result = run_cli("run", *common, "--checkpoint-every", "3", "--max-restarts", "1",
+                     "--inject", "kill:rank=0:step=5", "--out", str(killed))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summaries = [json.loads((d / "summary.json").read_text()) for d in (clean, killed)]
-    assert summaries[1]["recoveries"][0]["step"] == 4
+    assert summaries[1]["recoveries"][0]["step"] == 3
     assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
-    assert (killed / "checkpoints" / "step-00000008.dcp").is_dir()
+    assert (killed / "checkpoints" / "step-00000006.dcp").is_dir()
     assert_no_orphans(killed)
 
 
@@ -114,21 +114,28 @@ def test_pipeline_memory_estimate_is_the_largest_stage():
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("overrides", "world", "message"),
     [
-        (["--nproc-per-node", "11", "--microbatches", "16"],
-         "stages: 11 stages but the model has only 10 top-level layers"),
-        (["--microbatches", "5"], "microbatches: 5 does not divide the batch size 32"),
-        (["--nproc-per-node", "3", "--stages", "2"], "do not divide the world size 3"),
-        (["--microbatches", "1"], "1f1b needs at least as many microbatches as stages"),
+        ({"microbatches": 16}, 11, "stages: 11 stages but the model has only 10 top-level layers"),
+        ({"stages": 2}, 3, "do not divide the world size 3"),
+        ({"microbatches": 1}, 2, "1f1b needs at least as many microbatches as stages"),
     ],
 )
-def test_bad_pipeline_input_fails_before_training(tmp_path, args, message):
+def test_bad_pipeline_shapes_are_refused(overrides, world, message):
+    from scaletrain.strategies.pipeline import PipelineStrategy
+    from scaletrain.task import build_task
+
+    cfg = with_overrides(RunConfig(), {"strategy": "pipeline", "drop_last": True, **overrides})
+    with pytest.raises(ValueError, match=message):
+        PipelineStrategy.check_config(cfg, world, build_task(cfg).model)
+
+
+def test_bad_pipeline_input_fails_before_training(tmp_path):
     out = tmp_path / "run"
     result = run_cli("run", "--strategy", "pipeline", "--nproc-per-node", "2", "--drop-last",
-                     "--dataset", "digits", *args, "--out", str(out), timeout=60)  # fmt: skip
+                     "--microbatches", "5", "--out", str(out), timeout=60)  # fmt: skip
     assert result.returncode == 2
-    assert message in result.stderr
+    assert "microbatches: 5 does not divide the batch size 32" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (out / "metrics.jsonl").exists()
 

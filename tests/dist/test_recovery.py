@@ -114,9 +114,13 @@ def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, c
 
 
 def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
+    """Three nodes under fsdp; node 2 is lost. The survivors re-form a world of two, load the
+    checkpoint all three wrote as shards (DCP reshards it 3 -> 2), and every sample of the
+    epoch is trained once."""
     out = tmp_path / "run"  # one run directory on a file system all "nodes" share
     args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
-            "--checkpoint-every", "1", "--log-sample-ids", "--dataset", "digits",
+            "--strategy", "fsdp", "--checkpoint-every", "1", "--keep-checkpoints", "100",
+            "--log-sample-ids", "--dataset", "digits",
             "--num-samples", "600", "--batch-size", "8", "--epochs", "1",
             "--inject", "killnode:rank=2:step=8", "--timeout-s", "60",
             "--out", str(out)]  # fmt: skip
@@ -138,4 +142,7 @@ def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
     ]
     assert sorted(kept) == list(range(600))
     assert summary["samples"] == 600
+    resumed = summary["recoveries"][0]["step"]
+    assert (out / "checkpoints" / f"step-{resumed:08d}.dcp" / "__2_0.distcp").exists()  # 3 shards
+    assert summary["test_accuracy"] is not None
     assert_no_orphans(out)
