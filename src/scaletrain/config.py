@@ -62,6 +62,12 @@ class LaunchSection:
         metadata={"help": "this node's address as the other nodes reach it (default: hostname)"},
     )
     max_restarts: int = field(default=0, metadata={"help": "worker-group restarts on failure"})
+    rdzv_last_call_s: int = field(
+        default=30,
+        metadata={
+            "help": "MIN:MAX nodes: how long a rendezvous waits for more nodes once MIN joined"
+        },
+    )
     timeout_s: float = field(
         default=300.0, metadata={"help": "timeout of rendezvous and every collective, seconds"}
     )
@@ -74,6 +80,7 @@ class LaunchSection:
         _require(self.node_rank >= 0, "node_rank", f"must be >= 0, got {self.node_rank}")
         _require(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+        _require(self.rdzv_last_call_s >= 0, "rdzv_last_call_s", "must be >= 0")
         if self.rdzv_endpoint:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             _require(

@@ -173,7 +173,14 @@ def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
         run_id=cfg.launch.rdzv_id or f"scaletrain-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
-        rdzv_configs={"is_host": is_host, "timeout": timeout, "join_timeout": timeout},
+        rdzv_configs={
+            "is_host": is_host,
+            "timeout": timeout,
+            "join_timeout": timeout,
+            # torch's default is 30 s: every re-rendezvous after a lost node waits that long
+            # for nodes that may still come, when fewer than MAX are left.
+            "last_call_timeout": cfg.launch.rdzv_last_call_s,
+        },
         max_restarts=cfg.launch.max_restarts,
         logs_specs=RunLogsSpecs(run_dir),
         local_addr="127.0.0.1" if local_only else (cfg.launch.local_addr or None),

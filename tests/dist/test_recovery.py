@@ -123,6 +123,7 @@ def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
             "--log-sample-ids", "--dataset", "digits",
             "--num-samples", "600", "--batch-size", "8", "--epochs", "1",
             "--inject", "killnode:rank=2:step=8", "--timeout-s", "60",
+            "--rdzv-last-call-s", "10",
             "--out", str(out)]  # fmt: skip
     nodes = start_local_nodes(3, args, "elastic-test")
     outputs = [p.communicate(timeout=240) for p in nodes]

@@ -31,10 +31,10 @@ def report_page(tmp_path_factory):
     """A report of real runs: 1 worker, and 2 workers with rank 1 killed and restarted."""
     tmp_path = tmp_path_factory.mktemp("report")
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["--dataset", "digits", "--max-steps", "30", "--num-threads", "1"]
+    common = ["--dataset", "digits", "--max-steps", "16", "--num-threads", "1"]
     assert run_cli("run", *common, "--nproc-per-node", "1", "--out", str(one)).returncode == 0
     result = run_cli("run", *common, "--nproc-per-node", "2", "--max-restarts", "1",
-                     "--checkpoint-every", "10", "--inject", "kill:rank=1:step=15",
+                     "--checkpoint-every", "4", "--inject", "kill:rank=1:step=10",
                      "--out", str(two))  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = tmp_path / "page" / "report.html"
