@@ -300,6 +300,54 @@ class ParallelSection:
         _require(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
 
 
+CONSISTENCY_MODES = ("bsp", "asp", "ssp")
+
+
+@dataclass(kw_only=True)
+class PsSection:
+    """Parameter server (--strategy ps): K of the world's processes serve the parameters."""
+
+    num_servers: int = field(
+        default=1, metadata={"help": "ps: server processes (the other processes are workers)"}
+    )
+    consistency: str = field(
+        default="bsp",
+        metadata={"help": "ps: bsp (synchronous), asp (asynchronous) or ssp (bounded staleness)"},
+    )
+    staleness: int = field(
+        default=-1,
+        metadata={"help": "ssp: how many steps a worker may run ahead of the slowest (required)"},
+    )
+    barrier_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "bsp: how long the servers wait for a silent worker before dropping it"},
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.num_servers >= 1, "num_servers", f"must be >= 1, got {self.num_servers}")
+        _require(
+            self.consistency in CONSISTENCY_MODES,
+            "consistency",
+            f"must be one of {', '.join(CONSISTENCY_MODES)}; got {self.consistency!r}",
+        )
+        # -1 is "not given" (TOML has no null); any other negative value is a mistake.
+        _require(self.staleness >= -1, "staleness", f"must be >= 0, got {self.staleness}")
+        _require(self.barrier_timeout_s > 0, "barrier_timeout_s", "must be > 0")
+        if self.consistency == "ssp":
+            _require(
+                self.staleness >= 0,
+                "staleness",
+                "--consistency ssp needs --staleness S (steps a worker may run ahead of the "
+                "slowest; 0 waits for every worker at every step)",
+            )
+        else:
+            _require(
+                self.staleness == -1,
+                "staleness",
+                f"applies to --consistency ssp only, not {self.consistency}",
+            )
+
+
 SECTIONS: dict[str, type] = {
     "launch": LaunchSection,
     "train": TrainSection,
@@ -309,6 +357,7 @@ SECTIONS: dict[str, type] = {
     "fault": FaultSection,
     "comm": CommSection,
     "parallel": ParallelSection,
+    "ps": PsSection,
 }
 
 
@@ -323,6 +372,7 @@ class RunConfig:
     fault: FaultSection = field(default_factory=FaultSection)
     comm: CommSection = field(default_factory=CommSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    ps: PsSection = field(default_factory=PsSection)
 
     def __post_init__(self) -> None:
         """Checks that span sections (world-size checks wait for the launcher)."""
@@ -348,6 +398,13 @@ class RunConfig:
                 "recovery",
                 "inplace recovery runs on one node for now (its coordinator binds to "
                 "loopback); use --recovery restart across nodes",
+            )
+        if self.train.strategy == "ps":
+            _require(
+                self.fault.recovery == "restart",
+                "recovery",
+                "the parameter server recovers its own way (a dead worker's data is dealt to "
+                "the others, a dead server reloads its partition); drop --recovery inplace",
             )
         if self.train.strategy == "pipeline":
             m = self.parallel.microbatches

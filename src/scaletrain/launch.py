@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import importlib.util
 import json
 import logging
@@ -295,6 +296,14 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     cfg, run_dir = prepare_run_dir(cfg)
     if cfg.fault.recovery == "inplace":
         return run_inplace_mode(cfg, run_dir, show_progress)
+    from scaletrain.strategies import strategy_class
+
+    own = strategy_class(cfg.train.strategy).launcher  # a strategy with processes of its own
+    if own:
+        module, _, function = own.partition(":")
+        return getattr(importlib.import_module(module), function)(  # type: ignore[no-any-return]
+            cfg, run_dir, show_progress
+        )
     launch_config = build_launch_config(cfg, run_dir)
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
     progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)

@@ -51,6 +51,11 @@ def main(argv: list[str]) -> None:
 
     cfg = load_toml(run_dir / "config.toml")
     apply_determinism(cfg, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if cfg.train.strategy == "ps":  # a parameter server or one of its workers
+        from scaletrain.strategies.param_server.entry import run_process
+
+        run_process(cfg, run_dir)
+        return
     if os.environ.get("SCALETRAIN_RECOVERY") == "inplace":  # a torchft replica of its own
         from scaletrain.fault.inplace import InplaceTrainer
 

@@ -16,19 +16,15 @@ The lighthouse binds to loopback: the mode runs on one node for now.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from scaletrain.config import RunConfig
 from scaletrain.fault.checkpoint import atomic_write_json
+from scaletrain.fault.fleet import ProcessFleet
 from scaletrain.fault.inplace import LIGHTHOUSE_ENV, read_finals
 from scaletrain.metrics.logs import tail
 from scaletrain.metrics.summary import RankTotals, build_summary
@@ -43,72 +39,39 @@ class InplaceFailed(RuntimeError):
     """Every replica failed for good."""
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-class Supervisor:
+class Supervisor(ProcessFleet):
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         # The lighthouse logs every quorum at INFO from Rust, into the launcher's terminal.
         os.environ.setdefault("RUST_LOG", "warn")
         from torchft.coordination import LighthouseServer
 
-        self.cfg, self.run_dir = cfg, run_dir
-        self.world = cfg.launch.nproc_per_node
+        super().__init__(run_dir, cfg.launch.nproc_per_node, cfg.launch.max_restarts)
+        self.cfg = cfg
         self.lighthouse = LighthouseServer(
             bind="127.0.0.1:0",
             min_replicas=1,
             join_timeout_ms=JOIN_TIMEOUT_MS,
             heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
         )
-        self.attempts = [0] * self.world
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.deaths: list[dict[str, Any]] = []
-        self.finished: set[int] = set()
 
-    def start(self, rank: int) -> None:
-        env = {
-            **os.environ,
+    def env(self, rank: int) -> dict[str, str]:
+        return {
+            **super().env(rank),
             LIGHTHOUSE_ENV: self.lighthouse.address(),
             "SCALETRAIN_RECOVERY": "inplace",
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(self.world),
-            "LOCAL_WORLD_SIZE": str(self.world),
-            "TORCHELASTIC_RESTART_COUNT": str(self.attempts[rank]),
         }
-        self.procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "scaletrain.worker", str(self.run_dir)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
 
-    def run(self) -> None:
+    def may_restart(self, rank: int) -> bool:
+        # Once a replica has finished, the run is over: nothing to rejoin.
+        return super().may_restart(rank) and not self.finished
+
+    def kind(self, rank: int) -> str:
+        return "inplace"
+
+    def run(self, ranks: range | list[int] | None = None) -> None:
         try:
-            for rank in range(self.world):
-                self.start(rank)
-            while self.procs:
-                for rank, proc in list(self.procs.items()):
-                    code = proc.poll()
-                    if code is None:
-                        continue
-                    del self.procs[rank]
-                    if code == 0:
-                        self.finished.add(rank)
-                    else:
-                        self._died(rank, code)
-                time.sleep(0.02)
+            super().run(ranks)
         finally:
-            for proc in self.procs.values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
             self.lighthouse.shutdown()
         if not self.finished:
             last = self.deaths[-1] if self.deaths else {"rank": 0, "cause": "no replica finished"}
@@ -117,25 +80,6 @@ class Supervisor:
                 f"every replica failed; the last, rank {last['rank']}, {last['cause']}. "
                 f"Last lines of {log}:\n" + "\n".join(tail(log))
             )
-
-    def _died(self, rank: int, code: int) -> None:
-        death = {
-            "kind": "inplace",
-            "rank": rank,
-            "cause": describe_exit(code),
-            "attempt": self.attempts[rank],
-            "died_at": time.time(),
-            # Once a replica has finished, the run is over: nothing to rejoin.
-            "restarted": self.attempts[rank] < self.cfg.launch.max_restarts and not self.finished,
-        }
-        self.deaths.append(death)
-        incidents = self.run_dir / "logs" / "incidents.jsonl"
-        with open(incidents, "a") as f:
-            f.write(json.dumps({**death, "detected_at": death["died_at"]}) + "\n")
-        if death["restarted"]:
-            self.attempts[rank] += 1
-            death["restarted_at"] = time.time()
-            self.start(rank)
 
     def recoveries(self) -> list[dict[str, Any]]:
         """Each death, timed from the steps in metrics.jsonl."""

@@ -13,7 +13,7 @@ import importlib
 from scaletrain.config import RunConfig
 from scaletrain.registry import lookup
 from scaletrain.runtime import DistContext
-from scaletrain.strategies.base import Batch, StepResult, Strategy
+from scaletrain.strategies.base import Batch, StepResult, Strategy, StrategyChecks
 
 _CLASSES: dict[str, str] = {
     "ddp": "scaletrain.strategies.ddp:DDPStrategy",
@@ -22,22 +22,33 @@ _CLASSES: dict[str, str] = {
     "fsdp": "scaletrain.strategies.fsdp:FSDPStrategy",
     "pipeline": "scaletrain.strategies.pipeline:PipelineStrategy",
     "tensor": "scaletrain.strategies.tensor:TensorStrategy",
+    "ps": "scaletrain.strategies.param_server:ParameterServer",
 }
 
 
-def strategy_class(name: str) -> type[Strategy]:
+def strategy_class(name: str) -> type[StrategyChecks]:
     module, _, cls = lookup(_CLASSES, name, "strategy", "strategies").partition(":")
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 
 def build_strategy(name: str, ctx: DistContext, cfg: RunConfig) -> Strategy:
-    return strategy_class(name)(ctx, cfg)
+    cls = strategy_class(name)
+    assert issubclass(cls, Strategy), f"{name} runs its own loop ({cls.launcher})"
+    return cls(ctx, cfg)
 
 
-def __getattr__(attr: str) -> dict[str, type[Strategy]]:
+def __getattr__(attr: str) -> dict[str, type[StrategyChecks]]:
     if attr == "STRATEGIES":
         return {name: strategy_class(name) for name in _CLASSES}
     raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
-__all__ = ["STRATEGIES", "Batch", "StepResult", "Strategy", "build_strategy", "strategy_class"]
+__all__ = [
+    "STRATEGIES",
+    "Batch",
+    "StepResult",
+    "Strategy",
+    "StrategyChecks",
+    "build_strategy",
+    "strategy_class",
+]

@@ -71,9 +71,38 @@ def replica_memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     }
 
 
-class Strategy(ABC):
+class StrategyChecks:
+    """What the launcher asks a strategy before any process starts (class level). Most
+    strategies are a ``Strategy`` that the trainer's loop drives; one that brings its own
+    processes and loop (the parameter server) names its launcher in ``launcher``
+    ("module:function", called as function(cfg, run_dir, show_progress))."""
+
     # Whether gradients pass through DDP comm hooks, so --compression applies.
     supports_compression: ClassVar[bool] = False
+    launcher: ClassVar[str] = ""
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
+        """Raise ValueError for a configuration this strategy cannot run, before any worker
+        starts (the launcher passes the model only when ``checks_model``)."""
+        return None
+
+    @classmethod
+    def checks_model(cls, cfg: RunConfig) -> bool:
+        """Whether check_config needs the model (the launcher then builds it once)."""
+        return False
+
+    @classmethod
+    def estimate_state_bytes(
+        cls, model: nn.Module, optimizer_copies: int, cfg: RunConfig, world_size: int
+    ) -> int | None:
+        """Per-rank training state before training starts (for --max-memory-per-rank):
+        parameters, gradients and ``optimizer_copies`` parameter-sized optimizer buffers; None
+        when this strategy cannot run this model. The default is a whole replica per rank."""
+        return model_bytes(model) * (2 + optimizer_copies)
+
+
+class Strategy(StrategyChecks, ABC):
     # The collective a train step waits in, as hang reports name it (fault/watchdog.py).
     collective: ClassVar[str] = "gradient all-reduce"
     # Sharded state: when a checkpoint is due every rank calls save_sharded(dir) (a collective,
@@ -100,26 +129,6 @@ class Strategy(ABC):
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint needs to continue training (weights, optimizer state)."""
-
-    @classmethod
-    def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
-        """Raise ValueError for a configuration this strategy cannot run, before any worker
-        starts (the launcher passes the model only when ``checks_model``)."""
-        return None
-
-    @classmethod
-    def checks_model(cls, cfg: RunConfig) -> bool:
-        """Whether check_config needs the model (the launcher then builds it once)."""
-        return False
-
-    @classmethod
-    def estimate_state_bytes(
-        cls, model: nn.Module, optimizer_copies: int, cfg: RunConfig, world_size: int
-    ) -> int | None:
-        """Per-rank training state before training starts (for --max-memory-per-rank):
-        parameters, gradients and ``optimizer_copies`` parameter-sized optimizer buffers; None
-        when this strategy cannot run this model. The default is a whole replica per rank."""
-        return model_bytes(model) * (2 + optimizer_copies)
 
     # Data parallelism within the strategy: ranks with the same data_rank see the same batch
     # (the stages of one pipeline, the ranks of one tensor-parallel group). Exactly one rank

@@ -1,0 +1,119 @@
+"""A fleet of worker processes, each restarted on its own when it dies.
+
+torch's elastic agent stops and restarts the whole group when any worker fails. Two modes
+need the opposite, the survivors carrying on: in-place recovery (fault/supervisor.py) and the
+parameter server (strategies/param_server/supervisor.py). Both start one
+``python -m scaletrain.worker RUN_DIR`` per rank with the environment the agent would give
+(RANK, WORLD_SIZE, LOCAL_RANK, ...; TORCHELASTIC_RESTART_COUNT is the rank's own attempt),
+and restart a dead rank up to --max-restarts times. Every death goes to logs/incidents.jsonl.
+A rank that exits 0 is finished; when the fleet is stopped or fails, every process left is
+SIGKILLed (each runs in its own session, and dies with its parent: runtime.die_with_parent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class ProcessFleet:
+    def __init__(self, run_dir: Path, world: int, max_restarts: int) -> None:
+        self.run_dir, self.world, self.max_restarts = run_dir, world, max_restarts
+        self.attempts = [0] * world
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.deaths: list[dict[str, Any]] = []
+        self.finished: set[int] = set()
+        self.failed: set[int] = set()  # dead for good
+
+    def env(self, rank: int) -> dict[str, str]:
+        """The environment of ``rank``'s process (subclasses add their own)."""
+        return {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(self.world),
+            "LOCAL_WORLD_SIZE": str(self.world),
+            "TORCHELASTIC_RESTART_COUNT": str(self.attempts[rank]),
+        }
+
+    def start(self, rank: int) -> None:
+        self.procs[rank] = subprocess.Popen(
+            [sys.executable, "-m", "scaletrain.worker", str(self.run_dir)],
+            env=self.env(rank),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def may_restart(self, rank: int) -> bool:
+        return self.attempts[rank] < self.max_restarts
+
+    def keep_running(self) -> bool:
+        """Whether to keep watching (default: while any process runs)."""
+        return bool(self.procs)
+
+    def poll(self) -> None:
+        """Reap exited processes, restarting the dead ones that may be restarted."""
+        for rank, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del self.procs[rank]
+            if code == 0:
+                self.finished.add(rank)
+            else:
+                self._died(rank, code)
+
+    def run(self, ranks: range | list[int] | None = None) -> None:
+        try:
+            for rank in ranks if ranks is not None else range(self.world):
+                self.start(rank)
+            while self.keep_running():
+                self.poll()
+                time.sleep(0.02)
+        finally:
+            self.stop_all()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self.procs.clear()
+
+    def _died(self, rank: int, code: int) -> None:
+        death = {
+            "rank": rank,
+            "cause": describe_exit(code),
+            "attempt": self.attempts[rank],
+            "died_at": time.time(),
+            "restarted": self.may_restart(rank),
+        }
+        self.deaths.append(death)
+        with open(self.run_dir / "logs" / "incidents.jsonl", "a") as f:
+            f.write(json.dumps({"kind": self.kind(rank), **death,
+                                "detected_at": death["died_at"]}) + "\n")  # fmt: skip
+        if death["restarted"]:
+            self.attempts[rank] += 1
+            death["restarted_at"] = time.time()
+            self.start(rank)
+        else:
+            self.failed.add(rank)
+
+    def kind(self, rank: int) -> str:
+        return "death"

@@ -1,0 +1,51 @@
+"""--strategy ps: a sharded parameter server with bsp, asp and ssp consistency.
+
+``--nproc-per-node N --num-servers K`` starts K server processes and N - K workers (ranks
+0..W-1 are the workers, W..N-1 the servers), all from one launcher (supervisor.py). The
+flattened parameters are cut into K slices balanced by bytes (consistency.shard_ranges: a
+large tensor may be split); each server keeps its slice and the optimizer state for it and
+applies the workers' gradients (server.py). Workers pull parameters, compute gradients on
+batches leased from server 0 (coordinator.py), and push them (client.py), over gloo
+point-to-point links (transport.py, which says why not RPC).
+
+The modules:
+- consistency.py  pure rules: partition, the ssp bound, staleness
+- coordinator.py  pure data plan: leases dealt, committed, requeued; exactly once per epoch
+- transport.py    one two-rank gloo group per worker-server link; the message layout
+- server.py       one server process
+- client.py       one worker process
+- supervisor.py   the launcher side: processes, restarts, summary.json
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+from scaletrain.config import RunConfig
+from scaletrain.strategies.base import StrategyChecks, model_bytes
+
+
+class ParameterServer(StrategyChecks):
+    launcher: ClassVar[str] = "scaletrain.strategies.param_server.supervisor:run_ps"
+
+    @classmethod
+    def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
+        k = cfg.ps.num_servers
+        if k >= world_size:
+            raise ValueError(
+                f"num_servers: {k} servers leave no worker in a world of {world_size} processes; "
+                f"--nproc-per-node must be more than --num-servers (e.g. --nproc-per-node "
+                f"{k + 2} --num-servers {k} gives 2 workers)"
+            )
+
+    @classmethod
+    def estimate_state_bytes(
+        cls, model: nn.Module, optimizer_copies: int, cfg: RunConfig, world_size: int
+    ) -> int | None:
+        """The larger of a worker (a replica and its gradients) and a server (its slice, the
+        optimizer state for it and a gradient buffer)."""
+        total = model_bytes(model)
+        server = -(-total // cfg.ps.num_servers) * (2 + optimizer_copies)
+        return max(2 * total, server)

@@ -1,0 +1,66 @@
+"""Pure rules of the parameter server: how parameters are partitioned over servers, when a
+worker may run ahead (bounded staleness), and how staleness is summarized.
+
+No threads and no communication here; server.py applies these under its lock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from scaletrain.data.partition import split_counts
+
+
+def shard_ranges(numel: int, num_servers: int) -> list[tuple[int, int]]:
+    """[start, end) of each server's slice of the flattened parameters.
+
+    All parameters are flattened into one vector in ``named_parameters`` order and cut into
+    ``num_servers`` contiguous slices whose sizes differ by at most one element: balanced by
+    bytes (one dtype), and a tensor larger than a slice is split over several servers. The
+    servers' optimizers act on their slices, which is exact for elementwise optimizers (SGD
+    with momentum, Adam, AdamW) and not for ones that take per-tensor norms (LAMB, LARS).
+    """
+    if not 1 <= num_servers <= numel:
+        raise ValueError(f"cannot split {numel} parameters over {num_servers} servers")
+    bounds, start = [], 0
+    for count in split_counts(numel, num_servers):
+        bounds.append((start, start + count))
+        start += count
+    return bounds
+
+
+def split_tensors(sizes: Sequence[int], ranges: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """For each server, the indices of the tensors (of ``sizes`` elements, flattened in order)
+    that it holds all or part of."""
+    out: list[list[int]] = [[] for _ in ranges]
+    offset = 0
+    for i, size in enumerate(sizes):
+        for k, (lo, hi) in enumerate(ranges):
+            if offset < hi and offset + size > lo:
+                out[k].append(i)
+        offset += size
+    return out
+
+
+def may_proceed(clock: int, live_clocks: Iterable[int], staleness: int | None) -> bool:
+    """Whether a worker that has completed ``clock`` steps may start its next one.
+
+    Stale synchronous parallel (Ho et al., 2013): a worker may be at most ``staleness``
+    steps ahead of the slowest live worker; ``None`` is asp (never wait). A worker with no
+    live peer never waits."""
+    if staleness is None:
+        return True
+    slowest = min(live_clocks, default=clock)
+    return clock - slowest <= staleness
+
+
+def staleness(server_version: int, computed_on: int) -> int:
+    """Updates the server applied between the pull a gradient was computed on and its push."""
+    return max(0, server_version - computed_on)
+
+
+def staleness_histogram(values: Iterable[int]) -> dict[str, int]:
+    """{staleness: count}, keys as strings (JSON), in increasing order."""
+    counts = Counter(values)
+    return {str(k): counts[k] for k in sorted(counts)}

@@ -1,0 +1,482 @@
+"""One parameter-server process: holds a slice of the flattened parameters and its optimizer
+state, applies the workers' gradients per the consistency mode, and serves the parameters.
+
+Threads: an acceptor watches the store for workers that join (or rejoin); each worker then
+gets a handler thread of its own that receives on that worker's link and replies. Receiving
+happens outside any lock, so pushes from several workers arrive concurrently; the lock
+(``self.cond``) is held only to apply a gradient or change membership, and the parameters a
+reply carries are copied under it and sent after it is released.
+
+- asp: a push is applied on arrival; the reply carries the latest parameters.
+- ssp(s): as asp, but the reply waits until its worker is at most s steps ahead of the
+  slowest live worker (consistency.may_proceed).
+- bsp: pushes of one global step are summed weighted by samples; when every live worker of
+  that step has pushed (or was dropped: its link broke, or it stayed silent for
+  --barrier-timeout-s after the step's first push) the weighted mean is applied once and
+  every waiting reply goes out.
+
+Server 0 also deals the data (coordinator.py): its replies carry each worker's next lease,
+the lease of a push it applied is committed, and the lease of a worker that died or was
+dropped is requeued. It deals the first step once every worker has said hello (or after
+--timeout-s): otherwise whichever worker imported torch first would start alone.
+
+With --checkpoint-every N a server saves its slice (and server 0 its coordinator) every N
+updates; a restarted server loads the newest and announces a new incarnation in the store, and
+the workers reconnect. Updates since that checkpoint are lost on that slice (recorded).
+Events for summary.json's recoveries go to logs/ps_events.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.config import RunConfig
+from scaletrain.fault.checkpoint import atomic_torch_save
+from scaletrain.strategies.param_server import consistency as rules
+from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server.coordinator import DataCoordinator, Lease
+
+log = logging.getLogger("scaletrain.ps.server")
+
+
+def append_event(run_dir: Path, event: dict[str, Any]) -> None:
+    with open(run_dir / "logs" / "ps_events.jsonl", "a") as f:
+        f.write(json.dumps({**event, "unix_time": time.time()}) + "\n")
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+
+
+class ShardServer:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        model: nn.Module,
+        build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        num_train: int,
+        shard_sizes: list[int] | None,
+        index: int,
+        num_workers: int,
+        attempt: int,
+        store: Any,
+        new_store: Callable[[], Any],
+        run_dir: Path,
+    ) -> None:
+        self.cfg, self.index, self.num_workers = cfg, index, num_workers
+        self.attempt, self.store, self.run_dir = attempt, store, run_dir
+        # Each link sets itself up through a store connection of its own: a client is one
+        # socket, and a peer that dies while its link forms must not block the others.
+        self.new_store = new_store
+        flat = flat_params(model)
+        lo, hi = rules.shard_ranges(flat.numel(), cfg.ps.num_servers)[index]
+        self.param = nn.Parameter(flat[lo:hi].clone())
+        self.optimizer = build_optimizer([self.param])
+        self.mode = cfg.ps.consistency
+        self.bound = cfg.ps.staleness if self.mode == "ssp" else None
+        self.version = 0
+        self.cond = threading.Condition()
+        self.live: set[int] = set()
+        self.clocks: dict[int, int] = {}
+        self.join_step: dict[int, int] = {}
+        self.applied = 0
+        # bsp: the open barrier.
+        self.barrier_step = 0
+        self.barrier_sum = torch.zeros_like(self.param)
+        self.barrier_samples = 0
+        self.arrived: set[int] = set()
+        self.barrier_opened = 0.0
+        self.released_step = 0  # the last global step applied
+        self.coordinator = None
+        if index == 0:
+            self.coordinator = DataCoordinator(
+                num_train,
+                batch_size=cfg.train.batch_size,
+                epochs=cfg.train.epochs,
+                seed=cfg.train.seed,
+                drop_last=cfg.train.drop_last,
+                num_workers=num_workers,
+                lockstep=self.mode == "bsp",
+                max_steps=cfg.train.max_steps,
+                shard_sizes=shard_sizes,
+            )
+        self.leases: dict[int, Lease | None] = {}  # server 0: each worker's next lease (None: end)
+        self.started = False  # server 0, bsp: the first step is dealt
+        self.start_forced = False  # server 0, bsp: stop waiting for the first hellos
+        self.hellos: set[int] = set()
+        self.stop = threading.Event()
+        self.save_lock = threading.Lock()
+        self.checkpoint_dir = run_dir / "checkpoints" / f"server{index}"
+        self._restore()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _restore(self) -> None:
+        if not self.checkpoint_dir.is_dir():
+            return
+        for path in sorted(self.checkpoint_dir.glob("version-*.pt"), reverse=True):
+            try:
+                state = torch.load(path, weights_only=False)
+            except Exception as e:  # a damaged file: try the one before
+                log.warning("skipping damaged checkpoint %s: %s", path, e)
+                continue
+            self.param.data.copy_(state["param"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.version = state["version"]
+            self.released_step = state["released_step"]
+            if self.coordinator is not None:
+                self.coordinator.load_state_dict(state["coordinator"])
+            log.info("server %d restored version %d from %s", self.index, self.version, path)
+            append_event(
+                self.run_dir,
+                {
+                    "event": "restored",
+                    "server": self.index,
+                    "version": self.version,
+                    "attempt": self.attempt,
+                },
+            )
+            return
+
+    def _maybe_checkpoint(self) -> None:
+        """Called with the lock held, after an update."""
+        every = self.cfg.fault.checkpoint_every
+        if not every or self.version % every:
+            return
+        state = {
+            "param": self.param.detach().clone(),
+            "optimizer": _clone(self.optimizer.state_dict()),
+            "version": self.version,
+            "released_step": self.released_step,
+            "coordinator": self.coordinator.state_dict() if self.coordinator else None,
+        }
+        threading.Thread(target=self._write, args=(state,), daemon=True).start()
+
+    def _write(self, state: dict[str, Any]) -> None:
+        with self.save_lock:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            atomic_torch_save(self.checkpoint_dir / f"version-{state['version']:08d}.pt", state)
+            kept = sorted(self.checkpoint_dir.glob("version-*.pt"))
+            for old in kept[: -self.cfg.fault.keep_checkpoints]:
+                old.unlink(missing_ok=True)
+
+    # -- serving -------------------------------------------------------------------------
+    def serve(self) -> None:
+        acceptor = threading.Thread(target=self._accept, name="acceptor", daemon=True)
+        acceptor.start()
+        self.store.set(f"ps/server{self.index}/incarnation", str(self.attempt))
+        log.info("server %d serving %d parameters (attempt %d)",
+                 self.index, self.param.numel(), self.attempt)  # fmt: skip
+        if self.coordinator is not None and self.mode == "bsp":
+            threading.Thread(target=self._start_timer, daemon=True).start()
+        if self.mode == "bsp":
+            threading.Thread(target=self._barrier_watch, daemon=True).start()
+        while not self.store.check(["ps/finish"]):
+            time.sleep(0.1)
+        self.stop.set()
+        with self.cond:
+            final = {
+                "param": self.param.detach().clone(),
+                "version": self.version,
+                "applied": self.applied,
+                "samples_trained": self.coordinator.samples_trained if self.coordinator else 0,
+            }
+        atomic_torch_save(self.run_dir / "checkpoints" / f"final-server{self.index}.pt", final)
+
+    def _accept(self) -> None:
+        key = f"ps/server{self.index}.{self.attempt}/joins"  # the workers' count is key/count
+        seen = 0
+        while not self.stop.is_set():
+            if not self.store.check([f"{key}/{seen + 1}"]):
+                time.sleep(0.01)
+                continue
+            seen += 1
+            worker, worker_attempt = map(int, self.store.get(f"{key}/{seen}").decode().split(":"))
+            prefix = f"ps/link/s{self.index}.{self.attempt}/w{worker}.{worker_attempt}"
+            threading.Thread(target=self._handle, args=(worker, prefix), daemon=True,
+                             name=f"worker{worker}").start()  # fmt: skip
+
+    def _handle(self, worker: int, prefix: str) -> None:
+        try:
+            link = tp.Link(self.new_store(), prefix, server_side=True,
+                           timeout_s=self.cfg.launch.timeout_s)  # fmt: skip
+        except Exception as e:
+            log.warning("worker %d could not connect: %s", worker, e)
+            return
+        head = torch.zeros(tp.HEADER, dtype=torch.int64)
+        grad = torch.zeros_like(self.param.data)
+        try:
+            while True:
+                link.recv(head)
+                kind = tp.Kind(int(head[tp.KIND]))
+                if kind == tp.Kind.DONE:
+                    self._leave(worker, died=False)
+                    return
+                if kind == tp.Kind.PUSH:
+                    link.recv(grad, first_tag=1)
+                reply = self._hello(worker, head) if kind == tp.Kind.HELLO \
+                    else self._push(worker, head, grad)  # fmt: skip
+                link.send(*reply)
+        except Exception as e:
+            if not self.stop.is_set():
+                log.warning("lost worker %d: %s", worker, first_line(e))
+                self._leave(worker, died=True, how="connection")
+        finally:
+            log.info("handler of worker %d ends", worker)
+
+    # -- membership ----------------------------------------------------------------------
+    def _hello(self, worker: int, head: torch.Tensor) -> list[torch.Tensor]:
+        started = time.perf_counter()
+        with self.cond:
+            if worker in self.live:  # a rejoin after being dropped: its old lease is void
+                self._drop(worker)
+            others = [self.clocks[w] for w in self.live]
+            # A newcomer starts level with the slowest, so nobody waits for it to catch up.
+            self.clocks[worker] = min(others, default=0)
+            self.live.add(worker)
+            self.hellos.add(worker)
+            if self.coordinator is None:
+                self.join_step[worker] = int(head[tp.STEP])
+            else:
+                if self.mode == "bsp":
+                    self.join_step[worker] = 1 << 62  # until dealt into a step
+                    self.leases.pop(worker, None)
+                    self._maybe_start()
+                    self.cond.wait_for(lambda: worker in self.leases or self.stop.is_set())
+                else:
+                    self._deal(worker)
+                    self._wait_lease(worker)
+            append_event(
+                self.run_dir,
+                {
+                    "event": "joined",
+                    "server": self.index,
+                    "worker": worker,
+                    "attempt": int(head[tp.ATTEMPT]),
+                },
+            )
+            return self._reply(worker, started, staleness=0, committed=False)
+
+    def _leave(self, worker: int, *, died: bool, how: str = "") -> None:
+        with self.cond:
+            if worker not in self.live:
+                return
+            requeued = self._drop(worker)
+            if died:
+                append_event(self.run_dir, {"event": "worker_lost", "server": self.index,
+                                            "worker": worker, "how": how,
+                                            "requeued": requeued})  # fmt: skip
+            self.cond.notify_all()
+            if self.mode == "bsp":
+                self._maybe_release()
+                if self.coordinator is not None:
+                    self._maybe_start()
+            elif self.coordinator is not None:
+                self._deal(-1)  # parked workers may now get the requeued samples, or the end
+
+    def _drop(self, worker: int) -> int:
+        """Lock held: ``worker`` is no longer served; returns the samples requeued. A bsp
+        worker that already pushed this step stays in it (its gradient is in the sum, and
+        its lease is committed with the step)."""
+        self.live.discard(worker)
+        self.clocks.pop(worker, None)
+        self.leases.pop(worker, None)
+        if self.coordinator is None or worker in self.arrived:
+            return 0
+        return self.coordinator.requeue(worker)
+
+    # -- data (server 0) -----------------------------------------------------------------
+    def _start_timer(self) -> None:
+        """bsp: deal the first step without the workers that did not say hello in time (a
+        restarted server 0 waits briefly: the workers that are alive reconnect at once)."""
+        grace = self.cfg.launch.timeout_s if self.attempt == 0 else 2.0
+        if not self.stop.wait(grace):
+            with self.cond:
+                self.start_forced = True
+                self._maybe_start()
+
+    def _maybe_start(self) -> None:
+        """bsp, server 0, lock held: deal a step when none is in progress: the first step once
+        every worker said hello, or a step for joiners when no live worker holds a lease."""
+        if not self.live or self.arrived:
+            return
+        if not self.started:
+            if len(self.hellos) < self.num_workers and not self.start_forced:
+                return
+            self.started = True
+        if not any(w in self.leases for w in self.live):
+            self._deal_step()
+
+    def _deal_step(self) -> None:
+        assert self.coordinator is not None
+        dealt = self.coordinator.deal_step(sorted(self.live))
+        for worker in self.live:
+            lease = dealt[worker] if dealt else None
+            self.leases[worker] = lease
+            self.join_step[worker] = lease.step if lease else 0
+        self.cond.notify_all()
+
+    def _deal(self, worker: int) -> None:
+        """asp/ssp, server 0, lock held: the worker's next lease, if there is one now."""
+        assert self.coordinator is not None
+        # This worker first, then any others waiting for data (a requeue) or for the end.
+        waiting = [w for w in self.live if w != worker and w not in self.leases]
+        for w in ([worker] if worker in self.live else []) + waiting:
+            if self.leases.get(w) is not None:
+                continue
+            lease = self.coordinator.deal(w)
+            if lease is not None or self.coordinator.finished():
+                self.leases[w] = lease
+        self.cond.notify_all()
+
+    def _wait_lease(self, worker: int) -> None:
+        while worker not in self.leases and not self.stop.is_set():
+            self.cond.wait(0.5)
+            if worker not in self.leases:
+                self._deal(worker)
+
+    # -- updates -------------------------------------------------------------------------
+    def _push(self, worker: int, head: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+        started = time.perf_counter()
+        step, samples = int(head[tp.STEP]), int(head[tp.NUM_SAMPLES])
+        with self.cond:
+            if worker not in self.live:
+                return self._dropped_reply()
+            stale = rules.staleness(self.version, int(head[tp.VERSION_ON]))
+            if self.mode == "bsp":
+                return self._bsp_push(worker, step, samples, grad, started)
+            self._apply(grad)
+            self.clocks[worker] += 1
+            committed = self.coordinator.commit(worker) > 0 if self.coordinator else False
+            if self.coordinator is not None:
+                self.leases.pop(worker, None)
+            self.cond.notify_all()
+            if self.bound is not None:  # ssp: hold the reply while too far ahead
+                self.cond.wait_for(
+                    lambda: worker not in self.live or self.stop.is_set() or rules.may_proceed(
+                        self.clocks[worker], (self.clocks[w] for w in self.live), self.bound)
+                )  # fmt: skip
+            if self.coordinator is not None:
+                self._deal(worker)
+                self._wait_lease(worker)
+            return self._reply(worker, started, staleness=stale, committed=committed)
+
+    def _apply(self, grad: torch.Tensor) -> None:
+        self.param.grad = grad
+        self.optimizer.step()
+        self.param.grad = None
+        self.version += 1
+        self.applied += 1
+        self._maybe_checkpoint()
+
+    def _bsp_push(self, worker: int, step: int, samples: int, grad: torch.Tensor,
+                  started: float) -> list[torch.Tensor]:  # fmt: skip
+        # A joiner's first step may come while this server still waits for the step before.
+        self.cond.wait_for(lambda: not self.arrived or self.barrier_step >= step
+                           or worker not in self.live)  # fmt: skip
+        if worker in self.live and not self.arrived:
+            self.barrier_step, self.barrier_opened = step, time.monotonic()
+        if worker not in self.live or step != self.barrier_step:  # released without it
+            self._drop(worker)
+            return self._dropped_reply()
+        self.barrier_sum.add_(grad, alpha=samples)
+        self.barrier_samples += samples
+        self.arrived.add(worker)
+        self._maybe_release()
+        self.cond.wait_for(lambda: self.released_step >= step or worker not in self.live)
+        if self.released_step < step:
+            return self._dropped_reply()
+        return self._reply(worker, started, staleness=0, committed=True)
+
+    def _expected(self) -> set[int]:
+        return {w for w in self.live if self.join_step.get(w, 0) <= self.barrier_step}
+
+    def _maybe_release(self, timed_out: bool = False) -> None:
+        """bsp, lock held: apply the open step once every expected worker has pushed (or,
+        after the barrier timeout, without those that have not)."""
+        if self.mode != "bsp" or not self.arrived:
+            return
+        missing = self._expected() - self.arrived
+        if missing and not timed_out:
+            return
+        for worker in missing:
+            log.warning("dropping worker %d from step %d: silent for %.1f s", worker,
+                        self.barrier_step, self.cfg.ps.barrier_timeout_s)  # fmt: skip
+            self._drop(worker)
+            append_event(self.run_dir, {"event": "worker_lost", "server": self.index,
+                                        "worker": worker, "how": "barrier timeout"})  # fmt: skip
+        if self.barrier_samples:
+            self._apply(self.barrier_sum / self.barrier_samples)
+        if self.coordinator is not None:
+            for worker in self.arrived:
+                self.coordinator.commit(worker)
+        self.released_step = self.barrier_step
+        self.barrier_sum.zero_()
+        self.barrier_samples = 0
+        self.arrived = set()
+        if self.coordinator is not None:
+            self.leases = {}
+            self._deal_step()
+        self.cond.notify_all()
+
+    def _barrier_watch(self) -> None:
+        timeout = self.cfg.ps.barrier_timeout_s
+        while not self.stop.wait(min(timeout / 4, 1.0)):
+            with self.cond:
+                if self.arrived and time.monotonic() - self.barrier_opened > timeout:
+                    self._maybe_release(timed_out=True)
+
+    def _dropped_reply(self) -> list[torch.Tensor]:
+        """Every reply has the same shape; this one's payload is only there to be ignored."""
+        out = [tp.reply_header(status=tp.Status.DROPPED, version=self.version),
+               self.param.detach().clone()]  # fmt: skip
+        if self.coordinator is not None:
+            out.append(torch.full((self.cfg.train.batch_size,), -1, dtype=torch.int64))
+        return out
+
+    def _reply(self, worker: int, started: float, *, staleness: int,
+               committed: bool) -> list[torch.Tensor]:  # fmt: skip
+        """Lock held: the reply to ``worker``; server 0's carries its next lease."""
+        lease = self.leases.get(worker) if self.coordinator is not None else None
+        end = self.coordinator is not None and lease is None
+        head = tp.reply_header(
+            status=tp.Status.END if end else tp.Status.OK,
+            version=self.version,
+            staleness=staleness,
+            held_us=int((time.perf_counter() - started) * 1e6),
+            lease_len=len(lease.indices) if lease else 0,
+            lease_epoch=lease.epoch if lease else 0,
+            lease_step=lease.step if lease else 0,
+            committed=int(committed),
+        )
+        out = [head, self.param.detach().clone()]
+        if self.coordinator is not None:
+            indices = torch.full((self.cfg.train.batch_size,), -1, dtype=torch.int64)
+            if lease:
+                indices[: len(lease.indices)] = torch.tensor(lease.indices)
+            out.append(indices)
+        return out
+
+
+def _clone(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return obj

@@ -1,0 +1,263 @@
+"""The parameter server, launcher side: host the store, start W workers and K servers, restart
+each on its own when it dies, and build summary.json when the workers are done.
+
+The launcher hosts the TCPStore through which links are set up (transport.py) and servers
+announce their incarnations. It starts every process itself (fault/fleet.py) rather than
+through torch's elastic agent, which would restart all of them on any death: under asp and
+ssp the survivors must not even pause. A dead process is restarted up to --max-restarts
+times: a worker rejoins at the servers' current version, a server reloads its last
+checkpointed slice.
+
+When every worker has finished (or failed for good, as long as one finished) the launcher
+sets ``ps/finish``; each server writes its final slice and exits. The launcher assembles the
+model from the slices, scores the test split itself, and writes checkpoints/final.pt and
+summary.json: the DESIGN contract plus ``ps`` (consistency, servers, workers, partition) and
+``staleness_histogram`` (applied gradients by staleness). Deaths, drops, rejoins and server
+restores (logs/ps_events.jsonl) become ``recoveries``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from scaletrain.config import RunConfig
+from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
+from scaletrain.fault.fleet import ProcessFleet
+from scaletrain.metrics.logs import tail
+from scaletrain.metrics.summary import RankTotals, build_summary
+
+ROLE_ENV = "SCALETRAIN_PS_ROLE"
+STORE_ENV = "SCALETRAIN_PS_STORE"
+# How long servers get to write their final slices once told to finish.
+FINISH_GRACE_S = 60.0
+
+
+class PSFailed(RuntimeError):
+    pass
+
+
+class PSFleet(ProcessFleet):
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        from torch.distributed import TCPStore
+
+        super().__init__(run_dir, cfg.launch.nproc_per_node, cfg.launch.max_restarts)
+        self.cfg = cfg
+        self.num_servers = cfg.ps.num_servers
+        self.num_workers = self.world - self.num_servers
+        self.store = TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
+        )  # fmt: skip
+        self.finish_at: float | None = None
+
+    def is_worker(self, rank: int) -> bool:
+        return rank < self.num_workers
+
+    def env(self, rank: int) -> dict[str, str]:
+        return {
+            **super().env(rank),
+            ROLE_ENV: "worker" if self.is_worker(rank) else "server",
+            STORE_ENV: f"127.0.0.1:{self.store.port}",
+        }
+
+    def kind(self, rank: int) -> str:
+        return "ps-worker" if self.is_worker(rank) else "ps-server"
+
+    def keep_running(self) -> bool:
+        workers = set(range(self.num_workers))
+        servers = set(range(self.num_workers, self.world))
+        if servers & self.failed:
+            return False
+        if workers & self.failed == workers:
+            return False
+        if workers <= self.finished | self.failed and self.finish_at is None:
+            self.store.set("ps/finish", "1")
+            self.finish_at = time.monotonic()
+        if self.finish_at is not None:
+            waiting = servers - self.finished
+            return bool(waiting) and time.monotonic() - self.finish_at < FINISH_GRACE_S
+        return True
+
+    def check(self) -> None:
+        """After run(): raise PSFailed unless the run completed."""
+        servers = set(range(self.num_workers, self.world))
+        workers = set(range(self.num_workers))
+        dead_server = sorted(servers & self.failed)
+        if dead_server or not workers & self.finished or not servers <= self.finished:
+            rank = (
+                dead_server[0]
+                if dead_server
+                else (sorted(self.failed)[-1] if self.failed else min(servers - self.finished))
+            )
+            death = next((d for d in reversed(self.deaths) if d["rank"] == rank), None)
+            log = self.run_dir / "logs" / f"rank{rank}.log"
+            what = "server" if rank in servers else "worker"
+            cause = death["cause"] if death else "did not finish"
+            raise PSFailed(
+                f"the parameter server run failed: {what} rank {rank} {cause} (restarts "
+                f"used: {self.attempts[rank]} of --max-restarts {self.cfg.launch.max_restarts})."
+                f" Last lines of {log}:\n" + "\n".join(tail(log))
+            )
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def recoveries(fleet: PSFleet) -> list[dict[str, Any]]:
+    """Each death, with what the servers saw of it (logs/ps_events.jsonl) and how long until
+    the restarted process was serving or training again."""
+    events = _read_jsonl(fleet.run_dir / "logs" / "ps_events.jsonl")
+    records = _read_jsonl(fleet.run_dir / "metrics.jsonl")
+    out: list[dict[str, Any]] = []
+    for death in fleet.deaths:
+        rank, died = death["rank"], death["died_at"]
+        entry: dict[str, Any] = {
+            "kind": fleet.kind(rank),
+            "rank": rank,
+            "cause": death["cause"],
+            "failed_at": died,
+            "restarted": death["restarted"],
+        }
+        if fleet.is_worker(rank):
+            lost = [e for e in events if e["event"] == "worker_lost" and e["worker"] == rank
+                    and e["unix_time"] >= died - 1.0]  # fmt: skip
+            entry["detected_s"] = (min(e["unix_time"] for e in lost) - died) if lost else None
+            entry["requeued_samples"] = sum(e.get("requeued", 0) for e in lost)
+            entry["lost_steps"] = 0
+            # The others did not stop: their first applied step after the death.
+            after = [r for r in records if r["rank"] != rank and r["unix_time"] > died]
+            entry["others_next_step_s"] = (
+                min(r["unix_time"] for r in after) - died if after else None
+            )
+            back = [r for r in records
+                    if r["rank"] == rank and r["attempt"] == death["attempt"] + 1]  # fmt: skip
+            if back and "restarted_at" in death:
+                entry["rejoined_step"] = back[0]["step"]
+                entry["resumed_s"] = back[0]["unix_time"] - died
+        else:
+            server = rank - fleet.num_workers
+            restored = [e for e in events if e["event"] == "restored" and e["server"] == server
+                        and e["attempt"] == death["attempt"] + 1]  # fmt: skip
+            entry["server"] = server
+            entry["restored_version"] = restored[0]["version"] if restored else None
+            entry["resumed_s"] = restored[0]["unix_time"] - died if restored else None
+            entry["detected_s"] = 0.0  # a link breaks the moment its process dies
+        out.append(entry)
+    for e in events:  # workers dropped from a bsp barrier without dying
+        if e["event"] == "worker_lost" and e["how"] == "barrier timeout":
+            out.append({"kind": "ps-drop", "rank": e["worker"], "server": e["server"],
+                        "cause": "silent past --barrier-timeout-s", "failed_at": e["unix_time"],
+                        "lost_steps": 0})  # fmt: skip
+    return out
+
+
+def assemble(cfg: RunConfig, run_dir: Path, num_servers: int) -> tuple[Any, list[dict[str, Any]]]:
+    """The task with its model holding the servers' final slices; and the slices' records."""
+    import torch
+
+    from scaletrain.task import build_task
+
+    finals = [torch.load(run_dir / "checkpoints" / f"final-server{k}.pt", weights_only=False)
+              for k in range(num_servers)]  # fmt: skip
+    task = build_task(cfg)
+    flat = torch.cat([f["param"] for f in finals])
+    torch.nn.utils.vector_to_parameters(flat, list(task.model.parameters()))
+    return task, finals
+
+
+def evaluate(task: Any) -> float | None:
+    import torch
+
+    from scaletrain.trainer import make_loader
+
+    if task.test_data is None or task.eval_fn is None:
+        return None
+    model = task.model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for inputs, targets in make_loader(task.test_data, cuda=False, batch_size=512):
+            c, t = task.eval_fn(model(inputs), targets)
+            correct, total = correct + c, total + t
+    return correct / total if total else None
+
+
+def write_summary(fleet: PSFleet) -> dict[str, Any]:
+    from scaletrain.metrics.summary import params_sha256
+    from scaletrain.strategies.param_server.consistency import staleness_histogram
+
+    cfg, run_dir = fleet.cfg, fleet.run_dir
+    task, finals = assemble(cfg, run_dir, fleet.num_servers)
+    started = time.perf_counter()
+    atomic_torch_save(
+        run_dir / "checkpoints" / "final.pt",
+        {"model": {k: v.detach() for k, v in task.model.state_dict().items()}},
+    )
+    checkpoint_s = time.perf_counter() - started
+    workers = [json.loads(p.read_text()) for p in sorted((run_dir / "logs" / "final").glob(
+        "worker*.json"))]  # fmt: skip
+    records = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if r.get("committed")]
+    main = finals[0]
+    progress = SimpleNamespace(
+        step=main["version"],
+        samples_trained=main["samples_trained"],
+        recoveries=recoveries(fleet),
+    )
+    numels = [f["param"].numel() for f in finals]
+    summary = build_summary(
+        [RankTotals(**w["totals"]) for w in workers],
+        wall_s=max(w["wall_s"] for w in workers),
+        checkpoint_s=checkpoint_s,
+        progress=progress,
+        test_accuracy=evaluate(task),
+        params_hash=params_sha256(task.model),
+        info={
+            "strategy": "ps",
+            "backend": "gloo",
+            "device": workers[0]["device"],
+            "batch_size_per_worker": cfg.train.batch_size,
+            "global_batch_size": cfg.train.batch_size * fleet.num_workers,
+            "epochs": cfg.train.epochs,
+            "config_hash": cfg.hash(),
+            "scaletrain_version": workers[0]["scaletrain_version"],
+            "torch_version": workers[0]["torch_version"],
+            "ps": {
+                "consistency": cfg.ps.consistency,
+                "staleness_bound": cfg.ps.staleness if cfg.ps.consistency == "ssp" else None,
+                "num_servers": fleet.num_servers,
+                "num_workers": fleet.num_workers,
+                "server_numel": numels,
+                "server_updates": [f["applied"] for f in finals],
+                "transport": "gloo point-to-point, one two-rank group per worker-server link",
+            },
+        },
+    )
+    summary["world_size"] = fleet.world
+    summary["staleness_histogram"] = staleness_histogram(r["staleness"] for r in records)
+    summary["max_staleness"] = max((r["staleness"] for r in records), default=0)
+    atomic_write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def run_ps(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:
+    from scaletrain.launch import WorkerFailed, set_launch_env
+    from scaletrain.metrics.progress import ProgressView
+
+    set_launch_env(cfg, local_only=True)
+    fleet = PSFleet(cfg, run_dir)
+    with ProgressView(run_dir / "metrics.jsonl", enabled=show_progress):
+        fleet.run()
+    try:
+        fleet.check()
+    except PSFailed as e:
+        raise WorkerFailed(str(e)) from None
+    summary = write_summary(fleet)
+    summary["run_dir"] = str(run_dir)
+    return summary

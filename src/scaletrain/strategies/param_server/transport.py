@@ -1,0 +1,116 @@
+"""Worker <-> server links of the parameter server: one gloo process group of two ranks per
+connection (rank 0 the server, rank 1 the worker), point-to-point send/recv.
+
+Why gloo pairs and not torch.distributed.rpc (measured on 2 cores, loopback; see
+benchmarks/ps_transport.py for the command and the figures in README.md):
+- Failure isolation. A dead worker or server breaks only its own pairs: the peer's pending
+  recv fails at once with "Connection closed by peer", and every other pair keeps working.
+  The others continue without a restart, which is what asp/ssp promise.
+- Rejoining. A restarted process builds new pairs under a new store prefix (its attempt
+  number) and is served at once. A static RPC world is formed once by all ranks together
+  and cannot re-admit a rank that died; its dynamic mode needs graceful leaves.
+- Trust. A pair carries raw tensors of sizes both sides fixed in advance. RPC unpickles
+  Python calls sent by any peer: whoever can connect can run code on a server.
+- Speed is not the deciding factor: RPC's round trip is faster for small tensors (it has
+  no per-message rendezvous of buffers) and the two are close for large ones.
+
+Every message is a fixed-size int64 header, then payload tensors of sizes both sides know
+(the server's parameter slice; server 0 adds the worker's next lease). Tags keep the tensors
+of one message apart. A link is only ever used by one thread on each side.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+HEADER = 8
+
+
+class Kind(IntEnum):
+    """What a worker sends."""
+
+    HELLO = 1  # join (or rejoin): reply with the parameters (server 0: and a lease)
+    PUSH = 2  # a gradient: apply it (per the consistency mode), reply as HELLO
+    DONE = 3  # leaving at the end of the run: no reply
+
+
+class Status(IntEnum):
+    """What a server replies."""
+
+    OK = 0
+    DROPPED = 1  # bsp: the barrier went on without you; join again
+    END = 2  # server 0: no more data, the run is over
+
+
+# Worker -> server header fields.
+KIND, STEP, VERSION_ON, NUM_SAMPLES, WORKER, ATTEMPT, CLOCK = range(7)
+# Server -> worker header fields.
+STATUS, VERSION, STALENESS, HELD_US, LEASE_LEN, LEASE_EPOCH, LEASE_STEP, COMMITTED = range(8)
+
+
+def header(**fields: int) -> torch.Tensor:
+    names = {
+        "kind": KIND, "step": STEP, "version_on": VERSION_ON, "num_samples": NUM_SAMPLES,
+        "worker": WORKER, "attempt": ATTEMPT, "clock": CLOCK,
+    }  # fmt: skip
+    t = torch.zeros(HEADER, dtype=torch.int64)
+    for name, value in fields.items():
+        t[names[name]] = int(value)
+    return t
+
+
+def reply_header(**fields: int) -> torch.Tensor:
+    names = {
+        "status": STATUS, "version": VERSION, "staleness": STALENESS, "held_us": HELD_US,
+        "lease_len": LEASE_LEN, "lease_epoch": LEASE_EPOCH, "lease_step": LEASE_STEP,
+        "committed": COMMITTED,
+    }  # fmt: skip
+    t = torch.zeros(HEADER, dtype=torch.int64)
+    for name, value in fields.items():
+        t[names[name]] = int(value)
+    return t
+
+
+def gloo_device() -> object:
+    """The interface gloo binds to: GLOO_SOCKET_IFNAME as torch's own groups use it, else the
+    address the hostname resolves to."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+class Link:
+    """One worker-server connection. Constructing it blocks until both ends have joined
+    (or ``timeout`` passes); each op raises RuntimeError when the peer is gone."""
+
+    def __init__(
+        self, store: dist.Store, prefix: str, *, server_side: bool, timeout_s: float
+    ) -> None:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        opts._devices = [gloo_device()]
+        self.rank = 0 if server_side else 1
+        self.peer = 1 - self.rank
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, 2, opts)
+
+    # A message's tensors go with tags 0 (the header), 1 (the payload), 2 (server 0's lease),
+    # so a receiver may take the header first and decide whether a payload follows.
+    def isend(self, *tensors: torch.Tensor, first_tag: int = 0) -> list[dist.Work]:
+        return [self.pg.send([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
+
+    def irecv(self, *tensors: torch.Tensor, first_tag: int = 0) -> list[dist.Work]:
+        return [self.pg.recv([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
+
+    def send(self, *tensors: torch.Tensor, first_tag: int = 0) -> None:
+        for work in self.isend(*tensors, first_tag=first_tag):
+            work.wait()
+
+    def recv(self, *tensors: torch.Tensor, first_tag: int = 0) -> None:
+        for work in self.irecv(*tensors, first_tag=first_tag):
+            work.wait()
