@@ -12,6 +12,8 @@ strategies:
 - ``corrupt-checkpoint:step=S``: damage the checkpoint of step S on disk right after it is
   written (bit rot, a torn write); resuming must detect it and use an older one.
 
+Under --strategy ps a worker's step S is its own S-th step, and a server rank's step S is
+its S-th update (so ``kill`` can take a server down too).
 One-shot faults (kill, killnode, hang, corrupt-checkpoint) fire in the first attempt only
 (TORCHELASTIC_RESTART_COUNT 0), so a restarted worker group does not fail again at the same
 place. Parsing is pure (no torch), so config validation can use it.

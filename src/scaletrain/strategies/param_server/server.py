@@ -41,6 +41,7 @@ from torch import nn
 
 from scaletrain.config import RunConfig
 from scaletrain.fault.checkpoint import atomic_torch_save
+from scaletrain.fault.inject import parse_inject
 from scaletrain.strategies.param_server import consistency as rules
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.coordinator import DataCoordinator, Lease
@@ -79,6 +80,8 @@ class ShardServer:
         run_dir: Path,
     ) -> None:
         self.cfg, self.index, self.num_workers = cfg, index, num_workers
+        self.rank = num_workers + index
+        self.faults = parse_inject(cfg.fault.inject)
         self.attempt, self.store, self.run_dir = attempt, store, run_dir
         # Each link sets itself up through a store connection of its own: a client is one
         # socket, and a peer that dies while its link forms must not block the others.
@@ -376,6 +379,8 @@ class ShardServer:
             return self._reply(worker, started, staleness=stale, committed=committed)
 
     def _apply(self, grad: torch.Tensor) -> None:
+        for fault in self.faults:  # kill:rank=R:step=S kills server rank R at its S-th update
+            fault.before_step(self.version + 1, self.rank, self.attempt)
         self.param.grad = grad
         self.optimizer.step()
         self.param.grad = None

@@ -129,7 +129,11 @@ def recoveries(fleet: PSFleet) -> list[dict[str, Any]]:
         if fleet.is_worker(rank):
             lost = [e for e in events if e["event"] == "worker_lost" and e["worker"] == rank
                     and e["unix_time"] >= died - 1.0]  # fmt: skip
-            entry["detected_s"] = (min(e["unix_time"] for e in lost) - died) if lost else None
+            # The servers' links break at once; this launcher's poll may notice a little later.
+            first = min((e["unix_time"] for e in lost), default=None)
+            entry["detected_s"] = max(0.0, first - died) if first is not None else None
+            mine = [r for r in records if r["rank"] == rank and r["attempt"] == death["attempt"]]
+            entry["failed_step"] = max((r["step"] for r in mine), default=0) + 1
             entry["requeued_samples"] = sum(e.get("requeued", 0) for e in lost)
             entry["lost_steps"] = 0
             # The others did not stop: their first applied step after the death.

@@ -1,0 +1,142 @@
+"""The parameter server (--strategy ps) with real processes: 2 servers and 3 workers on gloo
+links over loopback. bsp computes what synchronous data parallelism computes; every mode
+reaches the digits floor while a process is SIGKILLed; the survivors carry on, the dead
+process is restarted alone, and every sample is trained exactly once per epoch."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import torch
+
+from tests.conftest import assert_no_orphans, run_cli
+
+DIGITS = 1437  # training samples of the built-in digits set
+PS = ["--strategy", "ps", "--nproc-per-node", "5", "--num-servers", "2"]
+JOB = ["--batch-size", "32", "--seed", "1", "--num-threads", "1"]
+
+
+def load(out):
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, records
+
+
+def weights(out):
+    return torch.load(out / "checkpoints" / "final.pt", weights_only=True)["model"]
+
+
+def assert_exactly_once(records, epochs):
+    """Applied steps only: a step whose push server 0 did not apply trained nothing."""
+    seen = collections.defaultdict(list)
+    for r in records:
+        if r["committed"]:
+            seen[r["epoch"]] += r["sample_ids"]
+    for epoch in range(epochs):
+        assert sorted(seen[epoch]) == list(range(DIGITS)), f"epoch {epoch}"
+
+
+def assert_continued_without(records, rank, died_at, until):
+    """The other workers applied steps while ``rank`` was dead, in their first attempt."""
+    others = [r for r in records if r["rank"] != rank and died_at < r["unix_time"] < until]
+    assert len({r["rank"] for r in others}) == 2, "the survivors did not carry on"
+    assert all(r["attempt"] == 0 for r in records if r["rank"] != rank)
+
+
+def test_bsp_equals_synchronous_data_parallel(tmp_path):
+    steps = ["--max-steps", "20", "--epochs", "2", "--lr", "0.05", *JOB]
+    ddp = run_cli("run", "--nproc-per-node", "3", *steps, "--out", str(tmp_path / "ddp"))
+    assert ddp.returncode == 0, ddp.stderr
+    ps = run_cli("run", *PS, "--consistency", "bsp", *steps, "--out", str(tmp_path / "ps"))
+    assert ps.returncode == 0, ps.stderr
+    a, b = weights(tmp_path / "ddp"), weights(tmp_path / "ps")
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert diff <= 1e-5, diff
+    summary, records = load(tmp_path / "ps")
+    assert summary["steps"] == 20 and summary["samples"] == DIGITS + 5 * 96  # 15 steps an epoch
+    assert summary["staleness_histogram"] == {"0": 60}  # 20 steps x 3 workers, never stale
+    assert summary["world_size"] == 5 and summary["ps"]["num_workers"] == 3
+    assert summary["ps"]["server_numel"][0] - summary["ps"]["server_numel"][1] in (0, 1)
+    assert {r["rank"] for r in records} == {0, 1, 2}
+
+
+def test_bsp_drops_a_dead_worker_and_its_restart_rejoins(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("run", *PS, "--consistency", "bsp", "--lr", "0.05", "--epochs", "8",
+                     *JOB, "--max-restarts", "1", "--log-sample-ids",
+                     "--inject", "kill:rank=2:step=10", "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary, records = load(out)
+    assert summary["test_accuracy"] >= 0.95
+    assert_exactly_once(records, 8)
+    [death] = [r for r in summary["recoveries"] if r["kind"] == "ps-worker"]
+    assert death["rank"] == 2 and death["restarted"] and death["cause"] == "killed by SIGKILL"
+    assert death["detected_s"] is not None and death["requeued_samples"] > 0
+    # Rejoined at the servers' current version: a later global step, not back at step 10.
+    assert death["rejoined_step"] > 10
+    back = [r for r in records if r["rank"] == 2 and r["attempt"] == 1]
+    assert_continued_without(records, 2, death["failed_at"], back[0]["unix_time"])
+    # While it was away the steps had 2 participants: 64 samples, not 96.
+    by_step = collections.Counter()
+    for r in records:
+        by_step[r["step"]] += r["samples"]
+    assert 64 in by_step.values()
+    assert_no_orphans(out)
+
+
+def test_asp_worker_killed_others_continue_and_its_data_is_trained_once(tmp_path):
+    out = tmp_path / "run"
+    # No restart: the two survivors finish the run alone.
+    result = run_cli("run", *PS, "--consistency", "asp", "--lr", "0.02", "--epochs", "8",
+                     *JOB, "--log-sample-ids", "--inject", "kill:rank=1:step=10",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary, records = load(out)
+    assert summary["test_accuracy"] >= 0.95
+    assert_exactly_once(records, 8)
+    [death] = summary["recoveries"]
+    assert death["kind"] == "ps-worker" and death["rank"] == 1 and not death["restarted"]
+    assert death["requeued_samples"] == 32  # the batch it held when it died
+    assert_continued_without(records, 1, death["failed_at"], float("inf"))
+    # Asynchronous: gradients were applied on parameters other workers had already moved.
+    hist = summary["staleness_histogram"]
+    assert sum(hist.values()) == sum(1 for r in records if r["committed"])
+    assert summary["max_staleness"] >= 1
+    assert_no_orphans(out)
+
+
+def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("run", *PS, "--consistency", "ssp", "--staleness", "2", "--lr", "0.02",
+                     "--epochs", "8", *JOB, "--max-restarts", "1", "--checkpoint-every", "10",
+                     "--inject", "kill:rank=4:step=25", "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary, records = load(out)
+    assert summary["test_accuracy"] >= 0.95
+    [death] = summary["recoveries"]
+    assert death["kind"] == "ps-server" and death["server"] == 1 and death["restarted"]
+    # Killed before its 25th update: it reloads the slice saved after update 20.
+    assert death["restored_version"] == 20 and death["resumed_s"] > 0
+    # Its slice lost updates 21-24; server 0's did not.
+    updates = summary["ps"]["server_updates"]
+    assert updates[0] > updates[1]
+    assert all(r["attempt"] == 0 for r in records)  # no worker was restarted
+    assert summary["ps"]["staleness_bound"] == 2
+    assert_no_orphans(out)
+
+
+def test_bad_parameter_server_input_fails_before_any_process(tmp_path):
+    cases = [
+        (["--nproc-per-node", "2", "--num-servers", "2"], "2 servers leave no worker"),
+        (["--num-servers", "0"], "num_servers: must be >= 1"),
+        (["--consistency", "ssp"], "--consistency ssp needs --staleness"),
+        (["--consistency", "ssp", "--staleness", "-3"], "staleness: must be >= 0"),
+    ]
+    for args, message in cases:
+        out = tmp_path / "run"
+        result = run_cli("run", "--strategy", "ps", "--nproc-per-node", "3", *args,
+                         "--out", str(out), timeout=60)  # fmt: skip
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr
+        assert not (out / "logs").exists()

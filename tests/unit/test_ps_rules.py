@@ -1,0 +1,158 @@
+"""The parameter server's pure rules: partition, the ssp bound, staleness, and the data plan
+(leases dealt, committed and requeued: every sample exactly once per epoch)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from scaletrain.config import RunConfig, from_dict
+from scaletrain.data.partition import epoch_order, rank_indices, step_bounds
+from scaletrain.strategies.param_server.consistency import (
+    may_proceed,
+    shard_ranges,
+    split_tensors,
+    staleness,
+    staleness_histogram,
+)
+from scaletrain.strategies.param_server.coordinator import DataCoordinator
+
+
+def test_partition_is_balanced_by_bytes_and_splits_a_large_tensor():
+    sizes = [1000, 10, 10, 3]  # one tensor much larger than a server's share
+    ranges = shard_ranges(sum(sizes), 3)
+    assert ranges == [(0, 341), (341, 682), (682, 1023)]
+    assert split_tensors(sizes, ranges) == [[0], [0], [0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="cannot split 2 parameters over 3 servers"):
+        shard_ranges(2, 3)
+
+
+def test_bounded_staleness_rule():
+    assert may_proceed(5, [5, 3], staleness=2)
+    assert not may_proceed(6, [6, 3], staleness=2)
+    assert not may_proceed(1, [1, 0], staleness=0)  # ssp(0) waits for everyone every step
+    assert may_proceed(100, [100, 0], staleness=None)  # asp never waits
+    assert may_proceed(7, [], staleness=0)  # alone
+    assert staleness(10, 7) == 3 and staleness(3, 7) == 0
+    assert staleness_histogram([2, 0, 2, 1]) == {"0": 1, "1": 1, "2": 2}
+
+
+def coordinator(lockstep: bool, **kw) -> DataCoordinator:
+    args = dict(batch_size=4, epochs=2, seed=3, drop_last=False, num_workers=3)
+    return DataCoordinator(26, lockstep=lockstep, **(args | kw))
+
+
+def drain(c: DataCoordinator, die: dict[int, int] | None = None) -> Counter:
+    """Deal round-robin to 3 asp workers until the run is over; worker w dies (its lease is
+    requeued) at its die[w]-th lease. Returns (epoch, index) -> times trained."""
+    trained: Counter = Counter()
+    count = Counter()
+    while not c.finished():
+        for w in range(3):
+            lease = c.deal(w)
+            if lease is None:
+                continue
+            count[w] += 1
+            if die and die.get(w) == count[w]:
+                assert c.requeue(w) == len(lease.indices)
+                continue
+            trained.update((lease.epoch, i) for i in lease.indices)
+            c.commit(w)
+    return trained
+
+
+def test_asp_leases_cover_every_sample_exactly_once_per_epoch_across_a_death():
+    for die in (None, {1: 2}, {0: 1, 2: 5}):
+        trained = drain(coordinator(False), die)
+        assert trained == Counter({(e, i): 1 for e in range(2) for i in range(26)}), die
+
+
+def test_the_next_epoch_starts_while_leases_of_the_last_are_out_and_requeues_come_first():
+    c = coordinator(False, epochs=2)
+    held = [c.deal(w) for w in range(3)]  # 12 of 26
+    while (lease := c.deal(3)) is not None and lease.epoch == 0:
+        c.commit(3)
+    assert lease.epoch == 1  # epoch 0 is dealt out, three leases of it still out
+    c.commit(3)
+    c.requeue(1)
+    again = c.deal(1)
+    assert again.epoch == 0 and again.positions == held[1].positions
+    assert c.epoch == 0 and not c.finished()
+
+
+def test_bsp_steps_are_the_data_parallel_steps():
+    c = coordinator(True, epochs=1)
+    order = epoch_order(26, 3, 0)
+    for start, end in step_bounds(26, 12, drop_last=False):
+        leases = c.deal_step([2, 0, 1])
+        for w in range(3):
+            assert list(leases[w].indices) == rank_indices(order, start, end, 3, w)[
+                : len(leases[w].indices)
+            ]
+            c.commit(w)
+    assert c.deal_step([0, 1, 2]) is None and c.finished() and c.samples_trained == 26
+
+
+def test_bsp_with_a_dropped_worker_redeals_its_share_over_the_rest():
+    c = coordinator(True, epochs=1)
+    first = c.deal_step([0, 1, 2])
+    c.commit(0), c.commit(2), c.requeue(1)
+    second = c.deal_step([0, 2])
+    assert second[0].positions[:4] == first[1].positions  # the requeued share comes first
+    trained = Counter(first[0].indices + first[2].indices + second[0].indices + second[2].indices)
+    c.commit(0), c.commit(2)
+    while (leases := c.deal_step([0, 2])) is not None:
+        for w, lease in leases.items():
+            trained.update(lease.indices)
+            c.commit(w)
+    assert trained == Counter(range(26))
+
+
+def test_max_steps_caps_the_samples_at_that_many_data_parallel_steps():
+    bsp = coordinator(True, max_steps=2, epochs=5)
+    while (leases := bsp.deal_step([0, 1, 2])) is not None:
+        for w in leases:
+            bsp.commit(w)
+    assert bsp.steps_dealt == 2
+    asp = coordinator(False, max_steps=2, epochs=5)
+    assert sum(drain(asp).values()) == 2 * 3 * 4  # 2 steps x 3 workers x 4 samples
+
+
+def test_checkpoint_requeues_the_leases_that_were_out():
+    c = coordinator(False)
+    a, b = c.deal(0), c.deal(1)
+    c.commit(0)
+    state = c.state_dict()
+    restored = coordinator(False)
+    restored.load_state_dict(state)
+    assert restored.samples_trained == len(a.indices)
+    assert restored.deal(2).positions == b.positions
+    restored.commit(2)
+    remaining = drain(restored)
+    assert sum(remaining.values()) == 2 * 26 - len(a.indices) - len(b.indices)
+
+
+@pytest.mark.parametrize(
+    "ps, message",
+    [
+        ({"num_servers": 0}, "num_servers: must be >= 1"),
+        ({"staleness": -2}, "staleness: must be >= 0"),
+        ({"consistency": "ssp"}, "--consistency ssp needs --staleness"),
+        ({"consistency": "asp", "staleness": 2}, "applies to --consistency ssp only"),
+        ({"consistency": "eventual"}, "consistency: must be one of bsp, asp, ssp"),
+    ],
+)
+def test_bad_parameter_server_settings_name_the_field(ps, message):
+    with pytest.raises(ValueError, match=message):
+        from_dict({"train": {"strategy": "ps"}, "ps": ps})
+
+
+def test_a_world_with_no_worker_is_refused():
+    from scaletrain.strategies.param_server import ParameterServer
+
+    cfg = RunConfig()
+    cfg.ps.num_servers = 2
+    with pytest.raises(ValueError, match="2 servers leave no worker in a world of 2"):
+        ParameterServer.check_config(cfg, 2, None)
+    ParameterServer.check_config(cfg, 3, None)
