@@ -87,9 +87,10 @@ def test_bsp_steps_are_the_data_parallel_steps():
     for start, end in step_bounds(26, 12, drop_last=False):
         leases = c.deal_step([2, 0, 1])
         for w in range(3):
-            assert list(leases[w].indices) == rank_indices(order, start, end, 3, w)[
-                : len(leases[w].indices)
-            ]
+            assert (
+                list(leases[w].indices)
+                == rank_indices(order, start, end, 3, w)[: len(leases[w].indices)]
+            )
             c.commit(w)
     assert c.deal_step([0, 1, 2]) is None and c.finished() and c.samples_trained == 26
 
