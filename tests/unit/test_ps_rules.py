@@ -118,6 +118,9 @@ def test_max_steps_caps_the_samples_at_that_many_data_parallel_steps():
     assert bsp.steps_dealt == 2
     asp = coordinator(False, max_steps=2, epochs=5)
     assert sum(drain(asp).values()) == 2 * 3 * 4  # 2 steps x 3 workers x 4 samples
+    # A dead worker's lease goes back to the budget: its samples are still trained.
+    trained = drain(coordinator(False, max_steps=2, epochs=5), die={1: 1})
+    assert sum(trained.values()) == 24 and set(trained.values()) == {1}
 
 
 def test_checkpoint_requeues_the_leases_that_were_out():

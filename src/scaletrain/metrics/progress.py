@@ -162,6 +162,8 @@ def describe_recovery(r: dict[str, Any]) -> str:
         if r.get("rejoined_step"):
             line += f"; it rejoined at step {r['rejoined_step']} ({r['rejoin_s']:.1f} s)"
         return line
+    if r["kind"].startswith("ps-"):
+        return describe_ps_recovery(r, what)
     if r.get("failed_step"):
         what += f" at step {r['failed_step']}"
     timing = []
@@ -176,6 +178,27 @@ def describe_recovery(r: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
+def describe_ps_recovery(r: dict[str, Any], what: str) -> str:
+    if r["kind"] == "ps-drop":
+        return (
+            f"parameter server: worker {r['rank']} dropped from a bsp step by server {r['server']}"
+        )
+    if r["kind"] == "ps-server":
+        line = f"server {r['server']} ({what})"
+        if r.get("resumed_s") is None:
+            return line + "; not restarted"
+        return line + (
+            f" restarted and serving {r['resumed_s']:.1f} s later from its checkpoint of "
+            f"version {r['restored_version']}; the workers reconnected"
+        )
+    line = f"worker {what}: its {r.get('requeued_samples', 0)} leased samples were dealt again"
+    if r.get("others_next_step_s") is not None:
+        line += f"; the others' next step came {r['others_next_step_s']:.2f} s later"
+    if r.get("rejoined_step"):
+        line += f"; it rejoined at step {r['rejoined_step']} ({r['resumed_s']:.1f} s)"
+    return line
+
+
 def render_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     t = summary["time_breakdown"]
@@ -185,8 +208,15 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
     rows = [
         (
             "strategy",
-            f"{summary['strategy']} on {summary['world_size']} workers "
-            f"({summary['backend']}, {summary['device']})",
+            (
+                f"ps {ps['consistency']}"
+                + (f"({ps['staleness_bound']})" if ps["staleness_bound"] is not None else "")
+                + f": {ps['num_workers']} workers, {ps['num_servers']} server"
+                + ("s " if ps["num_servers"] > 1 else " ")
+                if (ps := summary.get("ps"))
+                else f"{summary['strategy']} on {summary['world_size']} workers "
+            )
+            + f"({summary['backend']}, {summary['device']})",
         ),
         (
             "steps / samples",
@@ -232,6 +262,10 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
             f"{_fmt(pipe['bubble_measured'], '.0%')} measured, "
             f"{pipe['bubble_theoretical']:.0%} in theory",
         ))  # fmt: skip
+    if "staleness_histogram" in summary:
+        hist = summary["staleness_histogram"]
+        rows.insert(-1, ("staleness", ", ".join(f"{k}: {v}" for k, v in hist.items())
+                         + " (updates between pull and push: applied gradients)"))  # fmt: skip
     rows[-1:-1] = [("recovery", describe_recovery(r)) for r in summary.get("recoveries", [])]
     for name, value in rows:
         table.add_row(name, value)

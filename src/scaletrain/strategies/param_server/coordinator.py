@@ -16,8 +16,9 @@ instead every worker *leases* its next batch when it pushes its last gradient.
   Every sample is trained on exactly once per epoch, also across failures.
 - Under asp/ssp the next epoch may start while leases of the last one are still out: a
   requeued position of an older epoch is dealt before anything newer.
-- ``max_steps`` caps the run at the samples of that many data-parallel steps: global steps
-  under bsp, ``max_steps x num_workers`` leases under asp/ssp.
+- ``max_steps`` caps the run at the samples of that many data-parallel steps
+  (``max_steps x batch_size x num_workers``); a requeued lease gives its samples back to
+  that budget, so the run still ends with them trained.
 """
 
 from __future__ import annotations
@@ -85,10 +86,13 @@ class DataCoordinator:
         state = self.epoch_state[epoch]
         return len(state.requeued) + self._fresh_left(state)
 
-    def _budget_left(self) -> bool:
+    def _budget_left(self) -> int:
+        """Samples that may still be dealt under --max-steps (a large number without it)."""
         if not self.max_steps:
-            return True
-        return self.steps_dealt < self.max_steps * (1 if self.lockstep else self.num_workers)
+            return self.num_samples * self.epochs
+        out = sum(len(lease.positions) for lease in self.leases.values())
+        budget = self.max_steps * self.batch_size * self.num_workers
+        return budget - self.samples_trained - out
 
     def _dealing_epoch(self) -> int | None:
         """The oldest epoch with samples to deal, opening the next epoch when the newest has
@@ -114,7 +118,7 @@ class DataCoordinator:
         """Nothing left to deal and no lease out: the run is over."""
         if self.leases:
             return False
-        return not self._budget_left() or self._dealing_epoch() is None
+        return self._budget_left() <= 0 or self._dealing_epoch() is None
 
     @property
     def epoch(self) -> int:
@@ -123,6 +127,7 @@ class DataCoordinator:
 
     # -- dealing -------------------------------------------------------------------------
     def _take(self, epoch: int, count: int) -> list[int]:
+        count = min(count, self._budget_left())
         state = self.epoch_state[epoch]
         taken = state.requeued[:count]
         del state.requeued[:count]
@@ -144,7 +149,7 @@ class DataCoordinator:
         """asp/ssp: the next batch for ``worker``; None when nothing can be dealt now (the
         run is over when ``finished()``, else a lease still out may yet be requeued)."""
         assert not self.lockstep and worker not in self.leases, worker
-        if not self._budget_left():
+        if self._budget_left() <= 0:
             return None
         epoch = self._dealing_epoch()
         if epoch is None:
@@ -156,7 +161,7 @@ class DataCoordinator:
         """bsp: one global step over ``workers`` (in worker order; a worker may get no
         samples at the end of an epoch); None when the run is over."""
         assert self.lockstep
-        if not self._budget_left():
+        if self._budget_left() <= 0:
             return None
         epoch = self._dealing_epoch()
         if epoch is None:
