@@ -87,8 +87,10 @@ def main() -> None:
         slowed = run(root / "solo-slow", 1, "asp", slow.replace(f"rank={WORKERS - 1}", "rank=0"),
                      args.steps // WORKERS)  # fmt: skip
         solo = [normal] * (WORKERS - 1) + [slowed]
-        print(f"{WORKERS} workers, {SERVERS} servers; worker {WORKERS - 1} {args.factor:g}x slower; "
-              f"{args.device_ms:g} ms of device time per sample forward, 2x that backward")  # fmt: skip
+        print(
+            f"{WORKERS} workers, {SERVERS} servers; worker {WORKERS - 1} {args.factor:g}x "
+            f"slower; {args.device_ms:g} ms of device time per sample forward, 2x backward"
+        )
         for w, rate in enumerate(solo):
             print(f"  worker {w} alone: {rate:7.0f} samples/s")
         total = sum(solo)
