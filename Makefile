@@ -40,6 +40,8 @@ bench: install
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/pipeline_bubble.py
 	$(BIN)/python benchmarks/costmodel.py
+	$(BIN)/python benchmarks/ps_stragglers.py
+	$(BIN)/python benchmarks/ps_transport.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
