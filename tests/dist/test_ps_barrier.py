@@ -1,0 +1,115 @@
+"""A bsp parameter server in this process, its workers as threads speaking the wire protocol
+over real gloo links on loopback: a worker that stays silent (alive, not dead) is dropped
+from the step after --barrier-timeout-s, the step is applied without it, its batch is dealt
+again first, its late push is refused, and it can join again at the next step."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+
+import torch
+from torch import nn
+from torch.distributed import TCPStore
+
+from scaletrain.config import from_dict
+from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server.server import ShardServer
+
+BATCH = 2
+
+
+def client(port: int) -> TCPStore:
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+
+
+class Worker:
+    """The protocol as client.py speaks it, one message at a time."""
+
+    def __init__(self, port: int, worker: int, attempt: int = 0) -> None:
+        store = client(port)
+        inc = int(store.get("ps/server0/incarnation"))
+        base = f"ps/server0.{inc}/joins"
+        n = store.add(f"{base}/count", 1)
+        store.set(f"{base}/{n}", f"{worker}:{attempt}")
+        self.worker, self.attempt = worker, attempt
+        self.link = tp.Link(client(port), f"ps/link/s0.{inc}/w{worker}.{attempt}",
+                            server_side=False, timeout_s=30)  # fmt: skip
+
+    def _reply(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        head = torch.zeros(tp.HEADER, dtype=torch.int64)
+        params, lease = torch.zeros(2), torch.zeros(BATCH, dtype=torch.int64)
+        self.link.recv(head, params, lease)
+        return head, params, lease[: int(head[tp.LEASE_LEN])].tolist()
+
+    def hello(self):
+        self.link.send(tp.header(kind=tp.Kind.HELLO, worker=self.worker, attempt=self.attempt))
+        return self._reply()
+
+    def push(self, step: int, grad: list[float], num_samples: int):
+        head = tp.header(kind=tp.Kind.PUSH, step=step, num_samples=num_samples,
+                         worker=self.worker, attempt=self.attempt)  # fmt: skip
+        self.link.send(head)
+        self.link.send(torch.tensor(grad), first_tag=1)
+        return self._reply()
+
+
+def in_thread(fn, *args):
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("v", fn(*args)), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
+    (tmp_path / "logs").mkdir()
+    cfg = from_dict({
+        "train": {"strategy": "ps", "batch_size": BATCH, "epochs": 1},
+        "ps": {"consistency": "bsp", "barrier_timeout_s": 1.0},
+        "launch": {"timeout_s": 30.0},
+    })  # fmt: skip
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    model = nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    server = ShardServer(
+        cfg, model=model, num_train=8, shard_sizes=None, index=0, num_workers=2, attempt=0,
+        build_optimizer=lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.0),
+        store=client(store.port), new_store=lambda: client(store.port), run_dir=tmp_path,
+    )  # fmt: skip
+    threading.Thread(target=server.serve, daemon=True).start()
+    store.wait(["ps/server0/incarnation"])
+    a, b = Worker(store.port, 0), Worker(store.port, 1)
+    # Server 0 deals the first step once both said hello.
+    ta, hello_a = in_thread(a.hello)
+    tb, hello_b = in_thread(b.hello)
+    ta.join(30), tb.join(30)
+    (_, _, lease_a), (_, _, lease_b) = hello_a["v"], hello_b["v"]
+    assert len(lease_a) == len(lease_b) == BATCH and not set(lease_a) & set(lease_b)
+
+    # a pushes step 1; b stays silent: a's reply comes once the barrier times out.
+    head, params, next_a = a.push(1, [1.0, 3.0], BATCH)
+    assert int(head[tp.STATUS]) == tp.Status.OK and int(head[tp.VERSION]) == 1
+    assert int(head[tp.HELD_US]) >= 0.9e6  # held for the barrier timeout
+    assert params.tolist() == [0.0, -2.0]  # 1 - lr * a's gradient alone
+    assert next_a == lease_b  # b's batch, requeued, is dealt first
+    lines = (tmp_path / "logs" / "ps_events.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    [lost] = [e for e in events if e["event"] == "worker_lost"]
+    assert lost["worker"] == 1 and lost["how"] == "barrier timeout"
+
+    # b's late push of step 1 is refused, and applies nothing.
+    head, _, _ = b.push(1, [100.0, 100.0], BATCH)
+    assert int(head[tp.STATUS]) == tp.Status.DROPPED and int(head[tp.VERSION]) == 1
+
+    # b joins again: it waits for the next step, which a's push of step 2 closes.
+    tb, again = in_thread(b.hello)
+    head, params, next_a = a.push(2, [0.0, 1.0], BATCH)
+    tb.join(30)
+    head_b, params_b, lease_b3 = again["v"]
+    assert int(head[tp.VERSION]) == int(head_b[tp.VERSION]) == 2
+    assert params.tolist() == params_b.tolist() == [0.0, -3.0]
+    assert int(head[tp.LEASE_STEP]) == int(head_b[tp.LEASE_STEP]) == 3
+    assert len(next_a) == len(lease_b3) == BATCH and not set(next_a) & set(lease_b3)
+    store.set("ps/finish", "1")
