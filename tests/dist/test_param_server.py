@@ -63,9 +63,11 @@ def test_bsp_equals_synchronous_data_parallel(tmp_path):
 
 def test_bsp_drops_a_dead_worker_and_its_restart_rejoins(tmp_path):
     out = tmp_path / "run"
+    # Rank 0 is slowed so the run outlasts rank 2's restart (a fresh Python importing torch).
     result = run_cli("run", *PS, "--consistency", "bsp", "--lr", "0.05", "--epochs", "8",
                      *JOB, "--max-restarts", "1", "--log-sample-ids",
-                     "--inject", "kill:rank=2:step=10", "--out", str(out))  # fmt: skip
+                     "--inject", "kill:rank=2:step=10,slow:rank=0:factor=5",
+                     "--out", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary, records = load(out)
     assert summary["test_accuracy"] >= 0.95
@@ -127,11 +129,10 @@ def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
 
 
 def test_bad_parameter_server_input_fails_before_any_process(tmp_path):
+    # The config checks are unit-tested (tests/unit/test_ps_rules.py); here, the CLI's exit.
     cases = [
         (["--nproc-per-node", "2", "--num-servers", "2"], "2 servers leave no worker"),
-        (["--num-servers", "0"], "num_servers: must be >= 1"),
         (["--consistency", "ssp"], "--consistency ssp needs --staleness"),
-        (["--consistency", "ssp", "--staleness", "-3"], "staleness: must be >= 0"),
     ]
     for args, message in cases:
         out = tmp_path / "run"

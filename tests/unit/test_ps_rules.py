@@ -160,3 +160,15 @@ def test_a_world_with_no_worker_is_refused():
     with pytest.raises(ValueError, match="2 servers leave no worker in a world of 2"):
         ParameterServer.check_config(cfg, 2, None)
     ParameterServer.check_config(cfg, 3, None)
+
+
+def test_bsp_max_steps_counts_steps_across_an_epoch_boundary():
+    """26 samples, 12 a step: 3 steps an epoch (the last of 2); max_steps 5 ends in epoch 2
+    with 5 full data-parallel steps, as ddp's would."""
+    c = coordinator(True, max_steps=5, epochs=3)
+    sizes = []
+    while (leases := c.deal_step([0, 1, 2])) is not None:
+        sizes.append(sum(len(lease.indices) for lease in leases.values()))
+        for w in leases:
+            c.commit(w)
+    assert sizes == [12, 12, 2, 12, 12]

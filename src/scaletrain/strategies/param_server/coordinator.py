@@ -16,9 +16,10 @@ instead every worker *leases* its next batch when it pushes its last gradient.
   Every sample is trained on exactly once per epoch, also across failures.
 - Under asp/ssp the next epoch may start while leases of the last one are still out: a
   requeued position of an older epoch is dealt before anything newer.
-- ``max_steps`` caps the run at the samples of that many data-parallel steps
-  (``max_steps x batch_size x num_workers``); a requeued lease gives its samples back to
-  that budget, so the run still ends with them trained.
+- ``max_steps`` caps the run as it caps a data-parallel run: at that many global steps
+  under bsp; under asp/ssp, where there are no global steps, at their samples
+  (``max_steps x batch_size x num_workers``), to which a requeued lease gives its samples
+  back, so the run still ends with them trained.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class DataCoordinator:
         """Samples that may still be dealt under --max-steps (a large number without it)."""
         if not self.max_steps:
             return self.num_samples * self.epochs
+        if self.lockstep:
+            return self.num_samples if self.steps_dealt < self.max_steps else 0
         out = sum(len(lease.positions) for lease in self.leases.values())
         budget = self.max_steps * self.batch_size * self.num_workers
         return budget - self.samples_trained - out
@@ -127,7 +130,8 @@ class DataCoordinator:
 
     # -- dealing -------------------------------------------------------------------------
     def _take(self, epoch: int, count: int) -> list[int]:
-        count = min(count, self._budget_left())
+        if not self.lockstep:  # bsp's budget is in steps, checked before the step is dealt
+            count = min(count, self._budget_left())
         state = self.epoch_state[epoch]
         taken = state.requeued[:count]
         del state.requeued[:count]
