@@ -97,3 +97,17 @@ def test_summary_weights_final_loss_by_samples():
     assert s["samples"] == 4 and s["samples_per_s"] == 2.0 and s["steps"] == 1
     assert s["time_breakdown"]["comm_s"] == pytest.approx(0.2)
     assert s["comm_share"] == pytest.approx(0.2)
+
+
+def test_digits_split_is_cached_and_a_damaged_cache_is_rebuilt(tmp_path, monkeypatch):
+    from scaletrain.data.datasets import build_digits
+
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path))
+    first = build_digits("train")
+    cached = tmp_path / "digits-v1.npz"
+    assert cached.exists()
+    assert torch.equal(build_digits("train").x, first.x)  # read back from the cache
+    cached.write_bytes(b"not an npz")
+    again = build_digits("test")
+    assert len(again) == 360 and cached.stat().st_size > 1000  # rebuilt and rewritten
+    assert torch.equal(build_digits("train").y, first.y)

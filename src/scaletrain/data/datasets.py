@@ -1,7 +1,8 @@
 """Built-in datasets and their registry.
 
 - ``digits``: the real 8x8 handwritten digits bundled with scikit-learn (1,797 images, works
-  offline), split 80/20 into train/test with a fixed stratified split.
+  offline), split 80/20 into train/test with a fixed stratified split (cached on disk after
+  the first use: see ``digits_splits``).
 - ``synthetic``: procedurally drawn RGB images of 10 shape classes (disk, square, ring, bars,
   cross, X, triangle, diamond, two dots) with random position, size, colours and noise. Sample i
   is a pure function of (split, i): nothing is stored, any size works, and every process draws
@@ -13,7 +14,9 @@ not build and stack one tensor per sample; ``collate_batch`` is the matching ide
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,15 +59,50 @@ class TensorImageDataset(ImageDataset):
         return self.x[idx], self.y[idx]
 
 
-def build_digits(split: str, num_samples: int = 0, **_: Any) -> TensorImageDataset:
+def cache_dir() -> Path:
+    """Where built-in data is cached: $SCALETRAIN_CACHE, else $XDG_CACHE_HOME/scaletrain, else
+    ~/.cache/scaletrain."""
+    if os.environ.get("SCALETRAIN_CACHE"):
+        return Path(os.environ["SCALETRAIN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "scaletrain"
+
+
+def digits_splits() -> dict[str, np.ndarray]:
+    """The fixed train/test split of digits. Importing scikit-learn costs every process about
+    1.5 s, so the split is cached as one .npz (written atomically; a damaged or foreign file
+    is ignored and rewritten)."""
+    names = ("x_train", "y_train", "x_test", "y_test")
+    path = cache_dir() / "digits-v1.npz"
+    try:
+        with np.load(path) as f:
+            arrays = {k: f[k] for k in names}
+        if len(arrays["y_train"]) == 1437 and len(arrays["y_test"]) == 360:
+            return arrays
+    except (OSError, ValueError, KeyError, EOFError):
+        pass
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     bunch = load_digits()
     x = bunch.images.astype(np.float32) / 16.0
     y = bunch.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    x, y = (x_tr, y_tr) if split == "train" else (x_te, y_te)
+    split = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    arrays = dict(zip(("x_train", "x_test", "y_train", "y_test"), split, strict=True))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: no cache, still correct
+        pass
+    return arrays
+
+
+def build_digits(split: str, num_samples: int = 0, **_: Any) -> TensorImageDataset:
+    arrays = digits_splits()
+    x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
     if split == "train" and num_samples:
         if num_samples > len(y):
             raise ValueError(
