@@ -206,7 +206,7 @@ class PSWorker:
             for k in lost:  # a restarted server: join its new incarnation
                 self._hello(k, next_step)
         samples = len(indices) if committed else 0
-        record = {
+        record: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
             "rank": self.worker,

@@ -102,7 +102,7 @@ class Link:
     def __init__(
         self, store: dist.Store, prefix: str, *, server_side: bool, timeout_s: float
     ) -> None:
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         opts._devices = [gloo_device()]
         self.rank = 0 if server_side else 1
@@ -112,10 +112,12 @@ class Link:
     # A message's tensors go with tags 0 (the header), 1 (the payload), 2 (server 0's lease),
     # so a receiver may take the header first and decide whether a payload follows.
     def isend(self, *tensors: torch.Tensor, first_tag: int = 0) -> list[dist.Work]:
-        return [self.pg.send([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
+        send = self.pg.send  # type: ignore[attr-defined]  # the C++ group's own send
+        return [send([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
 
     def irecv(self, *tensors: torch.Tensor, first_tag: int = 0) -> list[dist.Work]:
-        return [self.pg.recv([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
+        recv = self.pg.recv  # type: ignore[attr-defined]
+        return [recv([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
 
     def send(self, *tensors: torch.Tensor, first_tag: int = 0) -> None:
         for work in self.isend(*tensors, first_tag=first_tag):
