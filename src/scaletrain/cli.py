@@ -60,7 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="scaletrain", description="Train PyTorch models across processes and hosts."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    add_config_flags(sub.add_parser("run", help="train with the given configuration"))
+    run = sub.add_parser("run", help="train with the given configuration")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything and print what would start on this node, then exit",
+    )
+    add_config_flags(run)
     add_config_flags(sub.add_parser("demo", help="2 local workers train the CNN on digits"))
     bench = sub.add_parser("bench", help="run a job over a grid of workers, strategies, ...")
     bench.add_argument("--nproc", default="1,2", help="worker counts, e.g. 1,2,4")
@@ -112,6 +118,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         base = dict(DEMO_DEFAULTS, out=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = load_toml(args.config) if args.config else with_overrides(RunConfig(), base)
     cfg = with_overrides(cfg, {k: v for k, v in vars(args).items() if k in leaf_fields()})
+    if getattr(args, "dry_run", False):
+        from scaletrain.launch import describe_plan
+
+        print(describe_plan(cfg))
+        return 0
     if args.command == "demo" and cfg.fault.inject:
         print(f"demo: injecting {cfg.fault.inject} to show a failure and its recovery")
     summary = run(cfg)

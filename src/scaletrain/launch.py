@@ -280,6 +280,40 @@ def run_inplace_mode(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict
     return summary
 
 
+def describe_plan(cfg: RunConfig) -> str:
+    """What ``run`` would start on this node, after every check ``run`` makes before starting
+    anything (``scaletrain run --dry-run``): for checking a cluster script before a job."""
+    check_names(cfg)
+    check_strategy(cfg)
+    lo, hi = parse_nnodes(cfg.launch.nnodes)
+    nproc = cfg.launch.nproc_per_node
+    nodes = str(lo) if lo == hi else f"{lo} to {hi} (elastic)"
+    first = cfg.launch.node_rank * nproc
+    endpoint = cfg.launch.rdzv_endpoint or "127.0.0.1:<a free port> (local)"
+    host = "this node hosts it" if cfg.launch.node_rank == 0 else "node 0 hosts it"
+    iface = os.environ.get("GLOO_SOCKET_IFNAME") or (
+        "lo" if not cfg.launch.rdzv_endpoint else "the interface of this host's name"
+    )
+    out = cfg.out or "runs/<timestamp>"
+    lines = [
+        "dry run: every check passed; nothing was started or written",
+        f"  nodes: {nodes}; this is node {cfg.launch.node_rank}, {nproc} processes per node; "
+        f"world size {nproc * lo}" + (f" to {nproc * hi}" if hi != lo else ""),
+        f"  this node's ranks: {first} to {first + nproc - 1} (first attempt)",
+        f"  rendezvous: c10d at {endpoint}, id {cfg.launch.rdzv_id or '<generated>'}; {host}",
+        f"  strategy: {cfg.train.strategy}; device: {cfg.train.device}; gloo interface: {iface}"
+        + (
+            f"; NCCL interface: {os.environ['NCCL_SOCKET_IFNAME']}"
+            if os.environ.get("NCCL_SOCKET_IFNAME")
+            else ""
+        ),  # fmt: skip
+        f"  restarts: up to {cfg.launch.max_restarts}; run directory: {out}",
+        "resolved configuration:",
+        dumps_toml(cfg.to_dict()),
+    ]
+    return "\n".join(lines)
+
+
 def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Launch this node's workers for ``cfg`` and wait for them.
 

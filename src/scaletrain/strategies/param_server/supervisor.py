@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,9 +50,15 @@ class PSFleet(ProcessFleet):
         self.cfg = cfg
         self.num_servers = cfg.ps.num_servers
         self.num_workers = self.world - self.num_servers
+        # A TCPStore listens on every interface whatever host it is given; a socket bound to
+        # loopback and handed over keeps it on this machine (the processes are all local).
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(128)
         self.store = TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            "127.0.0.1", self.listener.getsockname()[1], is_master=True, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
+            master_listen_fd=self.listener.fileno(),
         )  # fmt: skip
         self.finish_at: float | None = None
 
