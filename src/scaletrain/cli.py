@@ -8,6 +8,7 @@ failed, 2 bad input (one paragraph on stderr, nothing started), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="check everything and print what would start on this node, then exit",
     )
+    run.add_argument(
+        "--join-token",
+        metavar="SECRET",
+        help="the secret processes prove to join scaletrain's own endpoints (not written to "
+        "config.toml; visible in `ps`: prefer --join-token-file or $SCALETRAIN_JOIN_TOKEN)",
+    )
     add_config_flags(run)
     add_config_flags(sub.add_parser("demo", help="2 local workers train the CNN on digits"))
     bench = sub.add_parser("bench", help="run a job over a grid of workers, strategies, ...")
@@ -118,6 +125,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         base = dict(DEMO_DEFAULTS, out=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     cfg = load_toml(args.config) if args.config else with_overrides(RunConfig(), base)
     cfg = with_overrides(cfg, {k: v for k, v in vars(args).items() if k in leaf_fields()})
+    if getattr(args, "join_token", None):  # to the launcher's children, never to a file
+        from scaletrain.strategies.param_server.admission import TOKEN_ENV
+
+        os.environ[TOKEN_ENV] = args.join_token
     if getattr(args, "dry_run", False):
         from scaletrain.launch import describe_plan
 

@@ -71,6 +71,13 @@ class LaunchSection:
     timeout_s: float = field(
         default=300.0, metadata={"help": "timeout of rendezvous and every collective, seconds"}
     )
+    join_token_file: str = field(
+        default="",
+        metadata={
+            "help": "file holding the secret a process must prove to join scaletrain's own "
+            "endpoints (parameter servers); default: $SCALETRAIN_JOIN_TOKEN, else one per run"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(

@@ -67,6 +67,10 @@ def check_names(cfg: RunConfig) -> None:
             f"--compression applies to: {with_hooks}"
         )
     lookup(OPTIMIZERS, cfg.optim.optimizer, "optimizer")
+    if cfg.launch.join_token_file:
+        from scaletrain.strategies.param_server.admission import read_token_file
+
+        read_token_file(cfg.launch.join_token_file)
     if cfg.fault.recovery == "inplace" and importlib.util.find_spec("torchft") is None:
         raise ValueError(
             "recovery: inplace needs torchft, which is not installed: pip install 'scaletrain[ft]'"

@@ -136,6 +136,7 @@ def test_bad_parameter_server_input_fails_before_any_process(tmp_path):
     cases = [
         (["--nproc-per-node", "2", "--num-servers", "2"], "2 servers leave no worker"),
         (["--consistency", "ssp"], "--consistency ssp needs --staleness"),
+        (["--join-token-file", "/nonexistent/token"], "join_token_file: cannot read"),
     ]
     for args, message in cases:
         out = tmp_path / "run"

@@ -9,15 +9,18 @@ import datetime
 import json
 import threading
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed import TCPStore
 
 from scaletrain.config import from_dict
 from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server.admission import JoinRefused, join_record
 from scaletrain.strategies.param_server.server import ShardServer
 
 BATCH = 2
+TOKEN = "the-right-secret"
 
 
 def client(port: int) -> TCPStore:
@@ -27,12 +30,16 @@ def client(port: int) -> TCPStore:
 class Worker:
     """The protocol as client.py speaks it, one message at a time."""
 
-    def __init__(self, port: int, worker: int, attempt: int = 0) -> None:
+    def __init__(self, port: int, worker: int, attempt: int = 0, token: str = TOKEN) -> None:
         store = client(port)
         inc = int(store.get("ps/server0/incarnation"))
         base = f"ps/server0.{inc}/joins"
         n = store.add(f"{base}/count", 1)
-        store.set(f"{base}/{n}", f"{worker}:{attempt}")
+        store.set(f"{base}/{n}", join_record(token, f"ps/server0.{inc}", worker, attempt))
+        store.wait([f"{base}/{n}/answer"])
+        answer = store.get(f"{base}/{n}/answer").decode()
+        if answer != "ok":
+            raise JoinRefused(answer)
         self.worker, self.attempt = worker, attempt
         self.link = tp.Link(client(port), f"ps/link/s0.{inc}/w{worker}.{attempt}",
                             server_side=False, timeout_s=30)  # fmt: skip
@@ -62,11 +69,12 @@ def in_thread(fn, *args):
     return thread, out
 
 
-def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
+def start_server(tmp_path, consistency: str = "bsp") -> TCPStore:
+    """A server 0 of 2 workers over 2 parameters (both 1.0, SGD lr 1) in a thread."""
     (tmp_path / "logs").mkdir()
     cfg = from_dict({
         "train": {"strategy": "ps", "batch_size": BATCH, "epochs": 1},
-        "ps": {"consistency": "bsp", "barrier_timeout_s": 1.0},
+        "ps": {"consistency": consistency, "barrier_timeout_s": 1.0},
         "launch": {"timeout_s": 30.0},
     })  # fmt: skip
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -77,9 +85,45 @@ def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
         cfg, model=model, num_train=8, shard_sizes=None, index=0, num_workers=2, attempt=0,
         build_optimizer=lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.0),
         store=client(store.port), new_store=lambda: client(store.port), run_dir=tmp_path,
+        token=TOKEN,
     )  # fmt: skip
     threading.Thread(target=server.serve, daemon=True).start()
     store.wait(["ps/server0/incarnation"])
+    return store
+
+
+def events(tmp_path):
+    lines = (tmp_path / "logs" / "ps_events.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_a_joiner_without_the_token_is_refused_and_gets_no_link(tmp_path):
+    store = start_server(tmp_path, "asp")
+    with pytest.raises(JoinRefused, match="refused: wrong join token"):
+        Worker(store.port, 1, token="a-guess")
+    [refused] = [e for e in events(tmp_path) if e["event"] == "join_refused"]
+    assert refused["worker"] == 1 and refused["why"] == "wrong join token"
+    # A record read from the store and replayed is refused too.
+    record = store.get("ps/server0.0/joins/1").decode()
+    n = store.add("ps/server0.0/joins/count", 1)
+    good = join_record(TOKEN, "ps/server0.0", 0, 0)
+    store.set(f"ps/server0.0/joins/{n}", good)
+    store.wait([f"ps/server0.0/joins/{n}/answer"])
+    assert store.get(f"ps/server0.0/joins/{n}/answer") == b"ok"
+    n = store.add("ps/server0.0/joins/count", 1)
+    store.set(f"ps/server0.0/joins/{n}", good)
+    store.wait([f"ps/server0.0/joins/{n}/answer"])
+    assert store.get(f"ps/server0.0/joins/{n}/answer") == b"refused: replayed join record"
+    assert record.split(":")[:2] == ["1", "0"]
+    # The refused worker never became a member: the token holder is served alone.
+    head, params, lease = Worker(store.port, 0, attempt=1).hello()
+    assert int(head[tp.STATUS]) == tp.Status.OK and params.tolist() == [1.0, 1.0]
+    assert [e["worker"] for e in events(tmp_path) if e["event"] == "joined"] == [0]
+    store.set("ps/finish", "1")
+
+
+def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
+    store = start_server(tmp_path)
     a, b = Worker(store.port, 0), Worker(store.port, 1)
     # Server 0 deals the first step once both said hello.
     ta, hello_a = in_thread(a.hello)
@@ -94,9 +138,7 @@ def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
     assert int(head[tp.HELD_US]) >= 0.9e6  # held for the barrier timeout
     assert params.tolist() == [0.0, -2.0]  # 1 - lr * a's gradient alone
     assert next_a == lease_b  # b's batch, requeued, is dealt first
-    lines = (tmp_path / "logs" / "ps_events.jsonl").read_text().splitlines()
-    events = [json.loads(line) for line in lines]
-    [lost] = [e for e in events if e["event"] == "worker_lost"]
+    [lost] = [e for e in events(tmp_path) if e["event"] == "worker_lost"]
     assert lost["worker"] == 1 and lost["how"] == "barrier timeout"
 
     # b's late push of step 1 is refused, and applies nothing.

@@ -32,6 +32,7 @@ from scaletrain.fault.inject import parse_inject
 from scaletrain.metrics.sinks import StepSinks
 from scaletrain.metrics.summary import RankTotals, peak_rss_bytes
 from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server.admission import JoinRefused, join_record
 from scaletrain.strategies.param_server.consistency import shard_ranges
 from scaletrain.task import Task
 
@@ -55,6 +56,7 @@ class PSWorker:
         store: Any,
         new_store: Callable[[], Any],
         device: torch.device,
+        token: str,
     ) -> None:
         self.cfg, self.task, self.run_dir, self.device = cfg, task, run_dir, device
         self.worker, self.num_workers, self.attempt, self.store = (
@@ -64,6 +66,7 @@ class PSWorker:
             store,
         )
         self.new_store = new_store  # a store connection per link (see server.py)
+        self.token = token
         self.model = task.model.to(device)
         self.params = [p for p in self.model.parameters()]
         self.numel = sum(p.numel() for p in self.params)
@@ -90,9 +93,17 @@ class PSWorker:
                 raise ServerLost(f"server {k} did not come back within --timeout-s")
             time.sleep(0.1)
             inc = int(self.store.get(key))
-        base = f"ps/server{k}.{inc}/joins"
+        scope = f"ps/server{k}.{inc}"
+        base = f"{scope}/joins"
         n = self.store.add(f"{base}/count", 1)
-        self.store.set(f"{base}/{n}", f"{self.worker}:{self.attempt}")
+        self.store.set(f"{base}/{n}", join_record(self.token, scope, self.worker, self.attempt))
+        self.store.wait([f"{base}/{n}/answer"])
+        answer = self.store.get(f"{base}/{n}/answer").decode()
+        if answer != "ok":
+            raise JoinRefused(
+                f"server {k} {answer}: this worker's SCALETRAIN_JOIN_TOKEN is not the servers' "
+                "(give every node the same --join-token-file)"
+            )
         link = tp.Link(self.new_store(), f"ps/link/s{k}.{inc}/w{self.worker}.{self.attempt}",
                        server_side=False, timeout_s=self.cfg.launch.timeout_s)  # fmt: skip
         self.incarnation[k], self.links[k] = inc, link

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from scaletrain.config import RunConfig
+from scaletrain.strategies.param_server.admission import TOKEN_ENV
 from scaletrain.strategies.param_server.supervisor import ROLE_ENV, STORE_ENV
 
 
@@ -43,6 +44,7 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
             store=store,
             new_store=lambda: connect_store(cfg),
             run_dir=run_dir,
+            token=os.environ[TOKEN_ENV],
         ).serve()
         return
     from scaletrain.strategies.param_server.client import PSWorker
@@ -57,4 +59,5 @@ def run_process(cfg: RunConfig, run_dir: Path) -> None:
         store=store,
         new_store=lambda: connect_store(cfg),
         device=pick_device(cfg, int(os.environ.get("LOCAL_RANK", "0"))),
+        token=os.environ[TOKEN_ENV],
     ).fit()

@@ -44,6 +44,7 @@ from scaletrain.fault.checkpoint import atomic_torch_save
 from scaletrain.fault.inject import parse_inject
 from scaletrain.strategies.param_server import consistency as rules
 from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server.admission import Admission
 from scaletrain.strategies.param_server.coordinator import DataCoordinator, Lease
 
 log = logging.getLogger("scaletrain.ps.server")
@@ -78,6 +79,7 @@ class ShardServer:
         store: Any,
         new_store: Callable[[], Any],
         run_dir: Path,
+        token: str,
     ) -> None:
         self.cfg, self.index, self.num_workers = cfg, index, num_workers
         self.rank = num_workers + index
@@ -86,6 +88,7 @@ class ShardServer:
         # Each link sets itself up through a store connection of its own: a client is one
         # socket, and a peer that dies while its link forms must not block the others.
         self.new_store = new_store
+        self.token = token  # workers prove they hold it to join (admission.py)
         flat = flat_params(model)
         lo, hi = rules.shard_ranges(flat.numel(), cfg.ps.num_servers)[index]
         self.param = nn.Parameter(flat[lo:hi].clone())
@@ -201,14 +204,26 @@ class ShardServer:
         atomic_torch_save(self.run_dir / "checkpoints" / f"final-server{self.index}.pt", final)
 
     def _accept(self) -> None:
-        key = f"ps/server{self.index}.{self.attempt}/joins"  # the workers' count is key/count
+        scope = f"ps/server{self.index}.{self.attempt}"
+        key = f"{scope}/joins"  # the workers' count is key/count
+        admission = Admission(self.token, scope)
         seen = 0
         while not self.stop.is_set():
             if not self.store.check([f"{key}/{seen + 1}"]):
                 time.sleep(0.01)
                 continue
             seen += 1
-            worker, worker_attempt = map(int, self.store.get(f"{key}/{seen}").decode().split(":"))
+            worker, worker_attempt, refused = admission.check(
+                self.store.get(f"{key}/{seen}").decode()
+            )
+            if refused:
+                log.warning("refused a join as worker %d (attempt %d): %s", worker,
+                            worker_attempt, refused)  # fmt: skip
+                append_event(self.run_dir, {"event": "join_refused", "server": self.index,
+                                            "worker": worker, "why": refused})  # fmt: skip
+                self.store.set(f"{key}/{seen}/answer", f"refused: {refused}")
+                continue
+            self.store.set(f"{key}/{seen}/answer", "ok")
             prefix = f"ps/link/s{self.index}.{self.attempt}/w{worker}.{worker_attempt}"
             threading.Thread(target=self._handle, args=(worker, prefix), daemon=True,
                              name=f"worker{worker}").start()  # fmt: skip

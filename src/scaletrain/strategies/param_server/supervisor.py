@@ -31,6 +31,7 @@ from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
 from scaletrain.fault.fleet import ProcessFleet
 from scaletrain.metrics.logs import tail
 from scaletrain.metrics.summary import RankTotals, build_summary
+from scaletrain.strategies.param_server.admission import TOKEN_ENV, launcher_token
 
 ROLE_ENV = "SCALETRAIN_PS_ROLE"
 STORE_ENV = "SCALETRAIN_PS_STORE"
@@ -61,6 +62,7 @@ class PSFleet(ProcessFleet):
             master_listen_fd=self.listener.fileno(),
         )  # fmt: skip
         self.finish_at: float | None = None
+        self.token = launcher_token(cfg.launch.join_token_file)
 
     def is_worker(self, rank: int) -> bool:
         return rank < self.num_workers
@@ -70,6 +72,7 @@ class PSFleet(ProcessFleet):
             **super().env(rank),
             ROLE_ENV: "worker" if self.is_worker(rank) else "server",
             STORE_ENV: f"127.0.0.1:{self.store.port}",
+            TOKEN_ENV: self.token,
         }
 
     def kind(self, rank: int) -> str:
