@@ -1,7 +1,10 @@
-"""A bsp parameter server in this process, its workers as threads speaking the wire protocol
-over real gloo links on loopback: a worker that stays silent (alive, not dead) is dropped
-from the step after --barrier-timeout-s, the step is applied without it, its batch is dealt
-again first, its late push is refused, and it can join again at the next step."""
+"""A parameter server in this process, its workers as threads speaking the wire protocol
+over real gloo links on loopback:
+- bsp: a worker that stays silent (alive, not dead) is dropped from the step after
+  --barrier-timeout-s, the step is applied without it, its batch is dealt again first, its
+  late push is refused, and it can join again at the next step;
+- ssp: a worker too far ahead of the slowest is held until the slowest catches up;
+- admission: a joiner without the job's token (or replaying a record) gets no link."""
 
 from __future__ import annotations
 
@@ -69,12 +72,14 @@ def in_thread(fn, *args):
     return thread, out
 
 
-def start_server(tmp_path, consistency: str = "bsp") -> TCPStore:
+def start_server(
+    tmp_path, consistency: str = "bsp", staleness: int = -1, num_train: int = 8
+) -> TCPStore:
     """A server 0 of 2 workers over 2 parameters (both 1.0, SGD lr 1) in a thread."""
     (tmp_path / "logs").mkdir()
     cfg = from_dict({
         "train": {"strategy": "ps", "batch_size": BATCH, "epochs": 1},
-        "ps": {"consistency": consistency, "barrier_timeout_s": 1.0},
+        "ps": {"consistency": consistency, "barrier_timeout_s": 1.0, "staleness": staleness},
         "launch": {"timeout_s": 30.0},
     })  # fmt: skip
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -82,7 +87,7 @@ def start_server(tmp_path, consistency: str = "bsp") -> TCPStore:
     with torch.no_grad():
         model.weight.fill_(1.0)
     server = ShardServer(
-        cfg, model=model, num_train=8, shard_sizes=None, index=0, num_workers=2, attempt=0,
+        cfg, model=model, num_train=num_train, shard_sizes=None, index=0, num_workers=2, attempt=0,
         build_optimizer=lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.0),
         store=client(store.port), new_store=lambda: client(store.port), run_dir=tmp_path,
         token=TOKEN,
@@ -154,4 +159,23 @@ def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
     assert params.tolist() == params_b.tolist() == [0.0, -3.0]
     assert int(head[tp.LEASE_STEP]) == int(head_b[tp.LEASE_STEP]) == 3
     assert len(next_a) == len(lease_b3) == BATCH and not set(next_a) & set(lease_b3)
+    store.set("ps/finish", "1")
+
+
+def test_ssp_holds_a_worker_that_is_too_far_ahead_until_the_slowest_catches_up(tmp_path):
+    store = start_server(tmp_path, "ssp", staleness=1, num_train=64)
+    a, b = Worker(store.port, 0), Worker(store.port, 1)
+    _, _, lease_a = a.hello()
+    _, _, lease_b = b.hello()
+    head, _, lease_a = a.push(1, [1.0, 1.0], BATCH)  # a: 1 step done, b: 0; within 1
+    assert int(head[tp.STATUS]) == tp.Status.OK and int(head[tp.STALENESS]) == 0
+    held, second = in_thread(a.push, 2, [1.0, 1.0], BATCH)  # a would be 2 ahead: held
+    held.join(1.0)
+    assert held.is_alive(), "a ran 2 steps ahead of b under --staleness 1"
+    head_b, _, _ = b.push(1, [1.0, 1.0], BATCH)  # b catches up to 1: a may go on
+    assert int(head_b[tp.STALENESS]) == 2  # b's gradient was computed before a's two updates
+    held.join(30)
+    head, params, _ = second["v"]
+    assert int(head[tp.VERSION]) == 3 and int(head[tp.HELD_US]) >= 0.5e6
+    assert params.tolist() == [-2.0, -2.0]  # 1 - 3 updates of lr 1 x gradient 1
     store.set("ps/finish", "1")
