@@ -149,28 +149,32 @@ class DataCoordinator:
             self.leases[worker] = lease
         return lease
 
+    def _next_step(self) -> int | None:
+        """Count one more step (or lease) and return the epoch it deals from; None when the
+        budget is spent or nothing is left to deal now."""
+        if self._budget_left() <= 0:
+            return None
+        epoch = self._dealing_epoch()
+        if epoch is not None:
+            self.steps_dealt += 1
+        return epoch
+
     def deal(self, worker: int) -> Lease | None:
         """asp/ssp: the next batch for ``worker``; None when nothing can be dealt now (the
         run is over when ``finished()``, else a lease still out may yet be requeued)."""
         assert not self.lockstep and worker not in self.leases, worker
-        if self._budget_left() <= 0:
-            return None
-        epoch = self._dealing_epoch()
+        epoch = self._next_step()
         if epoch is None:
             return None
-        self.steps_dealt += 1
         return self._lease(worker, epoch, self.steps_dealt, self._take(epoch, self.batch_size))
 
     def deal_step(self, workers: list[int]) -> dict[int, Lease] | None:
         """bsp: one global step over ``workers`` (in worker order; a worker may get no
         samples at the end of an epoch); None when the run is over."""
         assert self.lockstep
-        if self._budget_left() <= 0:
-            return None
-        epoch = self._dealing_epoch()
+        epoch = self._next_step()
         if epoch is None:
             return None
-        self.steps_dealt += 1
         ordered = sorted(workers)
         positions = self._take(epoch, self.batch_size * len(ordered))
         counts = split_counts(len(positions), len(ordered))
