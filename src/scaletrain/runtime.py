@@ -11,6 +11,7 @@ import datetime
 import os
 import random
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,20 @@ def apply_determinism(cfg: RunConfig, local_world_size: int) -> None:
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+
+
+def loopback_store(timeout_s: float = 300.0) -> tuple[dist.TCPStore, socket.socket]:
+    """A TCPStore server that only this machine can reach. torch's TCPStore listens on every
+    interface whatever host it is given; handed a socket bound to 127.0.0.1 it listens there
+    alone. Keep the socket referenced as long as the store."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    store = dist.TCPStore(
+        "127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.fileno(),
+    )  # fmt: skip
+    return store, listener
 
 
 def init_distributed(cfg: RunConfig) -> DistContext:

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
+import subprocess
+import sys
+import time
 
+import pytest
 import torch
 
-from tests.conftest import assert_no_orphans, run_cli
+from tests.conftest import REPO, assert_no_orphans, processes_mentioning, run_cli
 
 DIGITS = 1437  # training samples of the built-in digits set
 PS = ["--strategy", "ps", "--nproc-per-node", "5", "--num-servers", "2"]
@@ -145,3 +150,28 @@ def test_bad_parameter_server_input_fails_before_any_process(tmp_path):
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr
         assert not (out / "logs").exists()
+
+
+def listeners(pids: list[int]) -> list[str]:
+    """Local addresses of the TCP sockets these processes listen on."""
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    return [line.split()[3] for line in lines if any(f"pid={p}," in line for p in pids)]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_a_local_run_listens_on_loopback_only(tmp_path):
+    """The launcher's store, every server's and worker's links: nothing on 0.0.0.0 or ::."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "scaletrain", "run", *PS, "--consistency", "asp",
+            "--max-steps", "15", *JOB, "--inject", "slow:rank=0:factor=30", "--out", str(out)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 200
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen |= set(listeners([proc.pid, *processes_mentioning(str(out))]))
+        time.sleep(0.3)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert len(seen) > 5, seen  # the store and both ends of links were seen
+    assert all(address.startswith("127.0.0.1:") for address in seen), seen

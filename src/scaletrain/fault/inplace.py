@@ -49,7 +49,7 @@ from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
 from scaletrain.fault.inject import parse_inject
 from scaletrain.metrics.sinks import StepSinks
 from scaletrain.metrics.summary import RankTotals, params_sha256, peak_rss_bytes
-from scaletrain.runtime import pick_device
+from scaletrain.runtime import loopback_store, pick_device
 from scaletrain.task import Task, build_optimizer
 
 log = logging.getLogger("scaletrain.inplace")
@@ -70,7 +70,6 @@ def wait_for_peers(run_dir: Path, rank: int, world: int, timeout_s: float) -> No
 
 class InplaceTrainer:
     def __init__(self, cfg: RunConfig, task: Task, run_dir: Path) -> None:
-        from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
         self.cfg, self.task, self.run_dir = cfg, task, run_dir
@@ -95,7 +94,7 @@ class InplaceTrainer:
         timeout = timedelta(seconds=cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2)
         # This replica's own store (a group of one): torchft keeps its process-group
         # rendezvous keys there.
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store, self._listener = loopback_store()
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=self._load_state_dict,

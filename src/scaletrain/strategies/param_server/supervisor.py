@@ -18,9 +18,7 @@ restores (logs/ps_events.jsonl) become ``recoveries``.
 
 from __future__ import annotations
 
-import datetime
 import json
-import socket
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,22 +43,14 @@ class PSFailed(RuntimeError):
 
 class PSFleet(ProcessFleet):
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
-        from torch.distributed import TCPStore
+        from scaletrain.runtime import loopback_store
 
         super().__init__(run_dir, cfg.launch.nproc_per_node, cfg.launch.max_restarts)
         self.cfg = cfg
         self.num_servers = cfg.ps.num_servers
         self.num_workers = self.world - self.num_servers
-        # A TCPStore listens on every interface whatever host it is given; a socket bound to
-        # loopback and handed over keeps it on this machine (the processes are all local).
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(128)
-        self.store = TCPStore(
-            "127.0.0.1", self.listener.getsockname()[1], is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
-            master_listen_fd=self.listener.fileno(),
-        )  # fmt: skip
+        # The processes are all local: the store listens on loopback only.
+        self.store, self.listener = loopback_store(cfg.launch.timeout_s)
         self.finish_at: float | None = None
         self.token = launcher_token(cfg.launch.join_token_file)
 
