@@ -63,6 +63,7 @@ def test_bsp_equals_synchronous_data_parallel(tmp_path):
     assert summary["staleness_histogram"] == {"0": 60}  # 20 steps x 3 workers, never stale
     assert summary["world_size"] == 5 and summary["ps"]["num_workers"] == 3
     assert summary["ps"]["server_numel"][0] - summary["ps"]["server_numel"][1] in (0, 1)
+    assert summary["ps"]["server_tensors"] == [5, 4]  # the CNN's 8 tensors; the largest is split
     assert {r["rank"] for r in records} == {0, 1, 2}
 
 

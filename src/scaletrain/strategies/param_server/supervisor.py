@@ -195,7 +195,11 @@ def evaluate(task: Any) -> float | None:
 
 def write_summary(fleet: PSFleet) -> dict[str, Any]:
     from scaletrain.metrics.summary import params_sha256
-    from scaletrain.strategies.param_server.consistency import staleness_histogram
+    from scaletrain.strategies.param_server.consistency import (
+        shard_ranges,
+        split_tensors,
+        staleness_histogram,
+    )
 
     cfg, run_dir = fleet.cfg, fleet.run_dir
     task, finals = assemble(cfg, run_dir, fleet.num_servers)
@@ -215,6 +219,8 @@ def write_summary(fleet: PSFleet) -> dict[str, Any]:
         recoveries=recoveries(fleet),
     )
     numels = [f["param"].numel() for f in finals]
+    sizes = [p.numel() for p in task.model.parameters()]
+    held = split_tensors(sizes, shard_ranges(sum(sizes), fleet.num_servers))
     summary = build_summary(
         [RankTotals(**w["totals"]) for w in workers],
         wall_s=max(w["wall_s"] for w in workers),
@@ -238,6 +244,8 @@ def write_summary(fleet: PSFleet) -> dict[str, Any]:
                 "num_servers": fleet.num_servers,
                 "num_workers": fleet.num_workers,
                 "server_numel": numels,
+                # Parameter tensors each server holds all or part of (a large one is split).
+                "server_tensors": [len(h) for h in held],
                 "server_updates": [f["applied"] for f in finals],
                 "transport": "gloo point-to-point, one two-rank group per worker-server link",
             },
