@@ -61,6 +61,13 @@ class LaunchSection:
         default="",
         metadata={"help": "this node's address as the other nodes reach it (default: hostname)"},
     )
+    bind: str = field(
+        default="",
+        metadata={
+            "help": "address this node's endpoints listen on (default: node 0's rendezvous "
+            "address, the workers' MASTER_ADDR; 0.0.0.0: every interface)"
+        },
+    )
     max_restarts: int = field(default=0, metadata={"help": "worker-group restarts on failure"})
     rdzv_last_call_s: int = field(
         default=30,

@@ -17,7 +17,6 @@ terminal (metrics/progress.py): workers' own output goes to DIR/logs/rank<R>.log
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib
 import importlib.util
 import json
@@ -144,20 +143,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def check_port_free(port: int) -> None:
-    """The rendezvous host binds its store on all interfaces; fail early if it cannot."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ValueError(
-                    f"rdzv_endpoint: port {port} is already in use on this machine (another "
-                    "scaletrain or torchrun job?); pick a free port with --rdzv-endpoint HOST:PORT "
-                    "or stop the other job"
-                ) from None
-            raise ValueError(f"rdzv_endpoint: cannot bind port {port}: {e.strerror}") from None
+def check_port_free(host: str, port: int) -> None:
+    """Node 0 listens for the rendezvous on HOST:PORT; fail early, and clearly, if it cannot."""
+    from scaletrain.rendezvous import listen_socket
+
+    try:
+        listen_socket(host, port).close()
+    except ValueError as e:
+        if "in use" in str(e):
+            raise ValueError(
+                f"rdzv_endpoint: port {port} is already in use on this machine (another "
+                "scaletrain or torchrun job?); pick a free port with --rdzv-endpoint HOST:PORT "
+                "or stop the other job"
+            ) from None
+        raise
 
 
 def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
@@ -172,19 +171,27 @@ def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
     if local_only:
         endpoint = f"127.0.0.1:{free_port()}"
     elif is_host:
-        check_port_free(int(endpoint.rpartition(":")[2]))
+        host, _, port = endpoint.rpartition(":")
+        check_port_free(cfg.launch.bind or host.strip("[]"), int(port))
     timeout = int(cfg.launch.timeout_s)
+    from scaletrain import rendezvous
+
+    rendezvous.register()
     return LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         nproc_per_node=cfg.launch.nproc_per_node,
         run_id=cfg.launch.rdzv_id or f"scaletrain-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
+        rdzv_backend=rendezvous.BACKEND_NAME,  # torch's c10d, bound and timed (rendezvous.py)
         rdzv_endpoint=endpoint,
         rdzv_configs={
             "is_host": is_host,
             "timeout": timeout,
             "join_timeout": timeout,
+            # Every call to node 0's store waits this long (torch's default: 60 s): a node
+            # whose cable is cut gives up on the job after it, instead of a minute per call.
+            "read_timeout": timeout,
+            "bind": cfg.launch.bind or ("127.0.0.1" if local_only else ""),
             # torch's default is 30 s: every re-rendezvous after a lost node waits that long
             # for nodes that may still come, when fewer than MAX are left.
             "last_call_timeout": cfg.launch.rdzv_last_call_s,
@@ -197,7 +204,11 @@ def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
 
 
 def set_launch_env(cfg: RunConfig, local_only: bool) -> None:
+    from scaletrain.rendezvous import BIND_ENV
+
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # Where the workers' own store listens (runtime.init_distributed); "": MASTER_ADDR.
+    os.environ[BIND_ENV] = cfg.launch.bind
     # As torchrun does: without it each worker's OpenMP pool would size itself to every core.
     threads = threads_per_worker(cfg.train.num_threads, cfg.launch.nproc_per_node)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -211,27 +222,30 @@ def set_launch_env(cfg: RunConfig, local_only: bool) -> None:
 class _DeathRecorder(logging.Handler):
     """Turns the agent's "failed (exitcode ...) local_rank ..." log record, emitted once per
     failed attempt when the agent notices the failure, into a line of DIR/logs/incidents.jsonl,
-    which the next attempt reads for summary.json's recoveries (fault/recovery.py)."""
+    which the next attempt reads for summary.json's recoveries (fault/recovery.py).
+    ``logs`` knows this node's global ranks in the current attempt (they change when the
+    membership does)."""
 
-    def __init__(self, run_dir: Path, first_rank: int, num_local: int) -> None:
+    def __init__(self, run_dir: Path, logs: Any) -> None:
         super().__init__(level=logging.ERROR)
-        self.run_dir, self.first_rank, self.num_local = run_dir, first_rank, num_local
+        self.run_dir, self.logs = run_dir, logs
         self.attempt = 0
 
     def root_causes(self, reported: int) -> list[int]:
         """The agent reports the failure it saw first, often a survivor whose collective
         failed ("Connection closed by peer") a moment before the agent noticed the dead rank.
         When it logs, the group is already stopped: the ranks whose error file is missing (a
-        signal) or names a cause rather than a symptom are the candidates."""
+        signal) or names a cause rather than a symptom are the candidates. Empty when every
+        rank of this node failed as a symptom (the cause is on another node)."""
         from scaletrain.metrics.logs import COLLATERAL
 
         candidates = []
-        for rank in range(self.first_rank, self.first_rank + self.num_local):
+        for rank in sorted(self.logs.ranks.values()):
             path = self.run_dir / "logs" / "errors" / f"rank{rank}.json"
             text = path.read_text(errors="replace") if path.exists() else ""
             if not any(pattern in text for pattern in COLLATERAL):
                 candidates.append(rank)
-        return sorted(candidates, key=lambda r: r != reported) or [reported]
+        return sorted(candidates, key=lambda r: r != reported)
 
     def emit(self, record: logging.LogRecord) -> None:
         args = record.args if isinstance(record.args, tuple) else ()
@@ -240,10 +254,12 @@ class _DeathRecorder(logging.Handler):
         exitcode, local_rank, pid = args[:3]
         from scaletrain.fault.watchdog import append_incident
 
-        reported = self.first_rank + int(str(local_rank))
+        reported = self.logs.ranks.get(int(str(local_rank)), -1)
+        causes = self.root_causes(reported)
         append_incident(
             self.run_dir,
-            {"kind": "death", "attempt": self.attempt, "ranks": self.root_causes(reported),
+            {"kind": "death", "attempt": self.attempt, "ranks": causes or [reported],
+             "collateral": not causes, "node_ranks": sorted(self.logs.ranks.values()),
              "reported_rank": reported, "exitcode": exitcode, "pid": pid,
              "detected_at": record.created},
         )  # fmt: skip
@@ -251,12 +267,9 @@ class _DeathRecorder(logging.Handler):
 
 
 @contextlib.contextmanager
-def record_worker_deaths(cfg: RunConfig, run_dir: Path) -> Iterator[None]:
-    # The first global rank of this node assumes the first attempt's rank assignment
-    # (node_rank * nproc_per_node); after an elastic membership change it is a best guess.
+def record_worker_deaths(run_dir: Path, logs: Any) -> Iterator[None]:
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    nproc = cfg.launch.nproc_per_node
-    handler = _DeathRecorder(run_dir, cfg.launch.node_rank * nproc, nproc)
+    handler = _DeathRecorder(run_dir, logs)
     saved = logger.level, logger.propagate
     logger.setLevel(logging.ERROR)
     logger.propagate = False  # the launcher prints its own account of failures
@@ -349,7 +362,7 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
     progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)
     try:
-        with progress, record_worker_deaths(cfg, run_dir):
+        with progress, record_worker_deaths(run_dir, launch_config.logs_specs):
             elastic_launch(launch_config, sys.executable)("-m", "scaletrain.worker", str(run_dir))
     except ChildFailedError as e:
         raise WorkerFailed(describe_failure(e.failures, run_dir)) from None

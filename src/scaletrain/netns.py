@@ -94,13 +94,21 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in _run("ip", "netns", "list").splitlines() if line.strip()]
 
 
-def _kill_and_delete(netns: str) -> None:
+def _kill_all(netns: str) -> list[int]:
+    """SIGKILL every process inside ``netns``; their pids."""
     pids = subprocess.run(
         ["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30
     ).stdout.split()
+    killed = []
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
+            killed.append(int(pid))
+    return killed
+
+
+def _kill_and_delete(netns: str) -> None:
+    _kill_all(netns)
     subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)
 
 
@@ -181,20 +189,30 @@ class NetworkLab:
         return subprocess.run(self.command(host, argv), **kwargs)
 
     def launch_scaletrain(
-        self, args: list[str], out_root: Path, *, nproc_per_node: int = 1, port: int = 29500
+        self,
+        args: list[str],
+        out_root: Path,
+        *,
+        nproc_per_node: int = 1,
+        port: int = 29500,
+        nnodes: str = "",
+        shared_out: bool = False,
     ) -> list[subprocess.Popen[str]]:
         """Start ``scaletrain run ARGS`` on every host as one job: host 0 hosts the c10d
-        rendezvous, every node binds gloo to its eth0 and writes to out_root/node<i>."""
+        rendezvous, every node binds gloo to its eth0 and writes to out_root/node<i>, or with
+        ``shared_out`` all to out_root (a file system every host shares, as restart recovery
+        across nodes needs). ``nnodes``: --nnodes (default: the number of hosts)."""
         import sys
 
         procs = []
         for host in self.hosts:
+            out = out_root if shared_out else out_root / f"node{host.index}"
             argv = [
                 sys.executable, "-m", "scaletrain", "run", *args,
-                "--nnodes", str(self.num_hosts), "--node-rank", str(host.index),
+                "--nnodes", nnodes or str(self.num_hosts), "--node-rank", str(host.index),
                 "--nproc-per-node", str(nproc_per_node),
                 "--rdzv-endpoint", f"{self.hosts[0].ip}:{port}", "--rdzv-id", self.name,
-                "--local-addr", host.ip, "--out", str(out_root / f"node{host.index}"),
+                "--local-addr", host.ip, "--out", str(out),
             ]  # fmt: skip
             env = dict(os.environ, GLOO_SOCKET_IFNAME=host.ifname)
             procs.append(
@@ -209,6 +227,11 @@ class NetworkLab:
                 )  # fmt: skip
             )
         return procs
+
+    def kill_host(self, host: int) -> list[int]:
+        """SIGKILL every process of host ``host`` at once, as when the machine dies; its
+        cable stays up, so the peers' connections break (the kernel resets them)."""
+        return _kill_all(self.hosts[host].netns)
 
     def link_down(self, host: int) -> None:
         """Cut host ``host``'s cable (its switch port goes down)."""

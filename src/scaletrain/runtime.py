@@ -82,17 +82,32 @@ def apply_determinism(cfg: RunConfig, local_world_size: int) -> None:
 
 
 def loopback_store(timeout_s: float = 300.0) -> tuple[dist.TCPStore, socket.socket]:
-    """A TCPStore server that only this machine can reach. torch's TCPStore listens on every
-    interface whatever host it is given; handed a socket bound to 127.0.0.1 it listens there
-    alone. Keep the socket referenced as long as the store."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    store = dist.TCPStore(
-        "127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.fileno(),
-    )  # fmt: skip
-    return store, listener
+    """A TCPStore server that only this machine can reach (rendezvous.bound_store on
+    127.0.0.1, a free port). Keep the socket referenced as long as the store."""
+    from scaletrain.rendezvous import bound_store
+
+    store, listener = bound_store("127.0.0.1", 0, timeout_s)
+    return store, listener  # type: ignore[no-any-return]
+
+
+_STORE_LISTENERS: list[socket.socket] = []
+
+
+def worker_store(timeout_s: float) -> dist.Store:
+    """The worker group's TCPStore, as ``init_process_group``'s env:// would make it, except
+    that rank 0 listens on one address: $SCALETRAIN_BIND (--bind), else MASTER_ADDR, the
+    address the other ranks connect to (env:// would listen on every interface)."""
+    from scaletrain.rendezvous import BIND_ENV, bound_store
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if rank == 0 and not agent_hosts:
+        store, listener = bound_store(os.environ.get(BIND_ENV) or addr, port, timeout_s)
+        _STORE_LISTENERS.append(listener)
+        return store
+    return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
 
 
 def init_distributed(cfg: RunConfig) -> DistContext:
@@ -101,6 +116,9 @@ def init_distributed(cfg: RunConfig) -> DistContext:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
+        store=worker_store(cfg.launch.timeout_s),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
         timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )

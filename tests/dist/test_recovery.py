@@ -132,6 +132,8 @@ def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
     summary = summary_of(out)
     [recovery] = summary["recoveries"]
     assert recovery["world_size"] == 2 and summary["world_size"] == 2
+    # Nodes 0 and 1 saw only broken collectives; the node that reported nothing is named.
+    assert recovery["cause"] == "node-lost" and recovery["ranks"] == [2], recovery
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {r["rank"] for r in records if r["attempt"] == 0} == {0, 1, 2}
     resumed_at = {r["attempt"]: r["step"] for r in summary["recoveries"]}

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,82 @@ def test_namespaces_of_a_dead_lab_are_swept():
         assert stale not in namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+def _records(out):
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for(predicate, procs, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the job did not get there in time"
+        assert procs[0].poll() is None, procs[0].communicate()
+        time.sleep(0.2)
+
+
+def _worker_ranks(lab, host):
+    """The global ranks of the workers now running on ``host`` (from their environment)."""
+    ranks = []
+    pids = subprocess.run(
+        ["ip", "netns", "pids", lab.hosts[host].netns], capture_output=True, text=True
+    ).stdout.split()
+    for pid in pids:
+        try:
+            env = dict(
+                item.split("=", 1)
+                for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                if "=" in item
+            )
+        except OSError:
+            continue
+        if "RANK" in env and "TORCHELASTIC_RESTART_COUNT" in env:
+            ranks.append(int(env["RANK"]))
+    return sorted(ranks)
+
+
+def _listeners(lab, host):
+    """Local addresses of every listening TCP socket on ``host``."""
+    out = lab.run(host, ["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[3] for line in out.splitlines() if line.strip()}
+
+
+@needs_lab
+def test_three_hosts_survive_a_dead_host_then_a_cut_cable(tmp_path):
+    """ddp on three hosts in restart mode, --nnodes 1:3. Every process of host 2 is SIGKILLed
+    (a crashed machine: its peers' connections are reset): hosts 0 and 1 go on as a world of
+    two. Then host 1's cable is cut (silence: nothing is reset), and host 0's watchdog names
+    it; host 0 finishes alone. Host 1, cut off, gives up with a clear message instead of
+    waiting in torch's store client for good. Every listening socket is on a host's own
+    address, none on every interface."""
+    out = tmp_path / "run"  # one run directory: the hosts share this file system
+    args = ["--epochs", "4", "--checkpoint-every", "5", "--max-restarts", "3", "--seed", "1",
+            "--hang-timeout-s", "6", "--timeout-s", "20", "--rdzv-last-call-s", "3"]  # fmt: skip
+    with NetworkLab(3) as lab:
+        lab.wait_ready()
+        procs = lab.launch_scaletrain(args, out, nnodes="1:3", shared_out=True)
+        _wait_for(lambda: any(r["step"] >= 8 for r in _records(out)), procs)
+        for host in lab.hosts:
+            listening = _listeners(lab, host.index)
+            assert listening and all(a.startswith(f"{host.ip}:") for a in listening), listening
+        assert f"{lab.hosts[0].ip}:29500" in _listeners(lab, 0)  # the rendezvous, bound
+        lost = _worker_ranks(lab, 2)
+        assert lab.kill_host(2) and lost
+        killed_at = time.time()
+        _wait_for(lambda: any(r["attempt"] == 1 and r["step"] >= 25 for r in _records(out)), procs)
+        cut = _worker_ranks(lab, 1)
+        lab.link_down(1)
+        cut_at = time.time()
+        outputs = [p.communicate(timeout=240) for p in procs[:2]]
+        assert procs[0].returncode == 0, outputs[0]
+        assert procs[1].returncode == 69, outputs[1]  # rendezvous.UNREACHABLE_EXIT_CODE
+        assert "has not answered" in outputs[1][1] and "Traceback" not in outputs[1][1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.95 and summary["world_size"] == 1
+    first, second = summary["recoveries"]
+    assert first["cause"] == "node-lost" and first["ranks"] == lost, first
+    assert first["world_size"] == 2 and first["detected_at"] - killed_at < 5
+    assert second["cause"] == "hang" and second["ranks"] == cut, second
+    assert second["world_size"] == 1
+    assert 6 <= second["detected_at"] - cut_at < 6 + 5

@@ -190,6 +190,23 @@ def test_failure_details_prefer_the_hang_that_caused_the_deaths():
     assert failure_details([death], records, attempt=1)["cause"] == "unknown"
 
 
+def test_a_node_that_reported_nothing_while_the_others_saw_symptoms_is_lost():
+    records = [{"attempt": 0, "rank": r, "step": 6, "unix_time": 40.0 + r} for r in range(4)]
+    # Nodes holding ranks 0-1 and 2 saw only broken collectives; rank 3's node said nothing.
+    symptoms = [
+        {"kind": "death", "attempt": 0, "ranks": [0], "collateral": True, "node_ranks": [0, 1],
+         "detected_at": 45.0},
+        {"kind": "death", "attempt": 0, "ranks": [2], "collateral": True, "node_ranks": [2],
+         "detected_at": 44.0},
+    ]  # fmt: skip
+    got = failure_details(symptoms, records, attempt=0)
+    assert got["cause"] == "node-lost" and got["ranks"] == [3] and got["failed_step"] == 7
+    assert got["detected_s"] == pytest.approx(44.0 - 43.0)
+    # One node naming a cause of its own (its rank was killed) is that cause, not a lost node.
+    own = {**symptoms[1], "ranks": [2], "collateral": False}
+    assert failure_details([symptoms[0], own], records, attempt=0)["cause"] == "death"
+
+
 def test_sharded_checkpoint_dir_is_published_hashed_and_checked(tmp_path):
     for step in (1, 2):
         tmp = tmp_path / f".step-{step:08d}.dcp.attempt0.tmp"

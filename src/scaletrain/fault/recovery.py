@@ -12,7 +12,8 @@ again (``--max-restarts``), possibly with another world size (``--nnodes MIN:MAX
 worker then loads the newest valid checkpoint and the sampler re-plans the rest of the epoch
 over the ranks there are now. The recovery is recorded from DIR/logs/incidents.jsonl, where
 the launcher notes each death the agent detects and the watchdog each hang it detects:
-which rank, at which step, when it was detected (``detected_s``: from the rank's last sign of
+which rank, at which step (or, when a node vanished with its agent, ``cause: node-lost`` and
+the ranks that node had), when it was detected (``detected_s``: from the rank's last sign of
 progress to detection) and, once the first step after the restart completes, ``resumed_s``
 (from detection to that step). Each rank restores its own RNG state, so per-rank randomness
 (dropout masks that differ between ranks) continues exactly.
@@ -100,6 +101,10 @@ def failure_details(
                 "detected_at": None, "detected_s": None, "resumed_s": None}  # fmt: skip
     incident = hangs[0] if hangs else mine[0]
     ranks = incident["ranks"]
+    lost = lost_ranks(mine, records, attempt) if not hangs else []
+    if lost:
+        incident = {**min(mine, key=lambda i: i["detected_at"]), "kind": "node-lost"}
+        ranks = lost
     last = [r for r in records if r.get("attempt") == attempt and (not ranks or r["rank"] in ranks)]
     if incident["kind"] == "hang":
         failed_step, since = incident["step"], incident["stalled_since"]
@@ -116,6 +121,19 @@ def failure_details(
         "detected_s": detected_at - since if since else None,
         "resumed_s": None,
     }
+
+
+def lost_ranks(
+    incidents: list[dict[str, Any]], records: list[dict[str, Any]], attempt: int
+) -> list[int]:
+    """Ranks of ``attempt`` whose node reported nothing, when every node that did report saw
+    only symptoms (its collectives broke): those ranks' node is gone, agent and all, as when
+    a machine dies. Empty when some node names a cause of its own."""
+    if not incidents or not all(i.get("collateral") for i in incidents):
+        return []
+    reported = {r for i in incidents for r in i.get("node_ranks", [])}
+    trained = {r["rank"] for r in records if r.get("attempt") == attempt}
+    return sorted(trained - reported)
 
 
 def mark_resumed(progress: Progress) -> None:

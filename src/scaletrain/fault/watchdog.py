@@ -8,7 +8,8 @@ own: the server thread lives in rank 0 and answers even while rank 0's Python is
 collective). When a worker's mark has not changed for the timeout, its watchdog reads every
 rank's heartbeat and names the culprits (``diagnose``, pure):
 
-- ranks whose heartbeat stopped (a frozen process: no Python thread runs any more), and
+- ranks whose heartbeat stopped (a frozen process: no Python thread runs any more; or a host
+  whose network is gone), and
 - ranks busy outside any collective while others wait in one (the injected hang, a deadlock
   in a data loader, a stuck file system).
 
@@ -21,6 +22,7 @@ run then fails with that report instead of sitting in a collective until gloo's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -93,7 +95,8 @@ def diagnose(beats: dict[int, Beat | None], now: float, timeout_s: float) -> Dia
             parts.append(f"rank {r} never sent a heartbeat")
         elif r in silent:
             parts.append(f"rank {r} stopped sending heartbeats {now - b.published:.0f} s ago "
-                         f"(at step {b.step}, {b.phase}): the process is frozen")  # fmt: skip
+                         f"(at step {b.step}, {b.phase}): the process is frozen "
+                         "or its host unreachable")  # fmt: skip
         else:
             parts.append(f"rank {r} has been in '{b.phase}' of step {b.step} for "
                          f"{now - b.since:.0f} s")  # fmt: skip
@@ -128,7 +131,12 @@ class Watchdog:
         self.run_dir = run_dir
         self._beat = Beat(0, "starting", "", time.time())
         self._stop = threading.Event()
+        # Two threads: store calls can block for good (torch's TCPStore client waits in recv()
+        # without a timeout when the store's host is cut off), the timeout check must not.
         self._thread = threading.Thread(target=self._loop, daemon=True, name="scaletrain-watchdog")
+        self._publisher = threading.Thread(
+            target=self._publish_loop, daemon=True, name="scaletrain-heartbeat"
+        )
         self._store: Any = None
 
     def enter(self, step: int, phase: str, collective: str = "") -> None:
@@ -137,6 +145,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         self._thread.start()
+        self._publisher.start()
         return self
 
     def stop(self) -> None:
@@ -169,14 +178,36 @@ class Watchdog:
             beats[self.rank] = Beat(**{**asdict(self._beat), "published": time.time()})
         return beats
 
-    def _loop(self) -> None:
+    def _publish_loop(self) -> None:
         while not self._stop.wait(BEAT_INTERVAL_S):
             self._publish()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(BEAT_INTERVAL_S):
             if time.time() - self._beat.since > self.timeout_s:
                 self._fire()
 
+    def _beats_within(self, limit_s: float) -> dict[int, Beat | None] | None:
+        """Every rank's heartbeat, or None when the store does not answer in ``limit_s``."""
+        result: list[dict[int, Beat | None]] = []
+        reader = threading.Thread(target=lambda: result.append(self._read_beats()), daemon=True)
+        reader.start()
+        reader.join(limit_s)
+        return result[0] if result else None
+
     def _fire(self) -> None:
-        diagnosis = diagnose(self._read_beats(), time.time(), self.timeout_s)
+        beats = self._beats_within(3 * BEAT_INTERVAL_S)
+        unreachable = beats is None
+        if beats is None:
+            own = Beat(**{**asdict(self._beat), "published": time.time()})
+            beats = {r: (own if r == self.rank else None) for r in range(self.world_size)}
+        diagnosis = diagnose(beats, time.time(), self.timeout_s)
+        if unreachable:
+            diagnosis = dataclasses.replace(
+                diagnosis,
+                message=diagnosis.message + " (the heartbeat store, on rank 0's host, did not "
+                "answer: that host may be unreachable)",
+            )
         log.error("%s", diagnosis.message)
         self._record(diagnosis)
         write_error_file(diagnosis.message)

@@ -21,6 +21,7 @@ class RunLogsSpecs(LogsSpecs):
     def __init__(self, run_dir: Path) -> None:
         super().__init__(log_dir=str(run_dir / "logs"))
         self._logs = run_dir / "logs"
+        self.ranks: dict[int, int] = {}  # local rank -> global rank, in the current attempt
 
     @property
     def root_log_dir(self) -> str:
@@ -34,6 +35,7 @@ class RunLogsSpecs(LogsSpecs):
             error_file = errors / f"rank{env['RANK']}.json"
             error_file.unlink(missing_ok=True)  # a stale file would be read as this attempt's error
             env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+            self.ranks[local_rank] = int(env["RANK"])
             dest.stdouts[local_rank] = ""  # "": inherit; the worker redirects itself
             dest.stderrs[local_rank] = ""
             dest.error_files[local_rank] = str(error_file)

@@ -1,0 +1,158 @@
+"""torch's c10d rendezvous, with two changes, registered as the ``scaletrain`` backend of the
+elastic agent (launch.py uses it for every node).
+
+1. **Node 0's store listens on one address.** torch's rendezvous store binds every interface
+   whatever host it is given (measured with ``ss``); here it is handed a socket bound to the
+   node's bind address (``--bind``; by default the address of ``--rdzv-endpoint``, the one
+   every node connects to). ``--bind 0.0.0.0`` asks for every interface.
+2. **A store that stops answering ends this node, with a reason.** After a ``wait`` times
+   out, torch's TCPStore client blocks in ``recv()`` with no timeout (measured: a node whose
+   cable was cut sat in the rendezvous for over 200 s; the kernel gives up only after about
+   15 minutes of retransmissions). Each call to the rendezvous state is timed by a thread
+   here; one still running ``read_timeout`` + ``GRACE_S`` seconds later stops this node with
+   exit code ``UNREACHABLE_EXIT_CODE`` and a message saying node 0 cannot be reached. Its
+   workers die with it (runtime.die_with_parent).
+
+Everything else (rounds, keep-alives, last call, elastic membership) is torch's own
+``DynamicRendezvousHandler`` over torch's ``C10dRendezvousBackend``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+BACKEND_NAME = "scaletrain"
+GRACE_S = 10.0
+UNREACHABLE_EXIT_CODE = 69  # EX_UNAVAILABLE
+BIND_ENV = "SCALETRAIN_BIND"
+_LISTENERS: list[socket.socket] = []
+
+
+def listen_socket(addr: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``addr``:``port`` (IPv4 or IPv6 by the address), or a
+    ValueError that names --bind."""
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"bind: cannot resolve {addr!r}: {e.strerror}") from None
+    family, _, _, _, sockaddr = infos[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(sockaddr)
+    except OSError as e:
+        listener.close()
+        raise ValueError(
+            f"bind: cannot listen on {addr}:{port}: {e.strerror} (is {addr} an address of this "
+            "machine? pass --bind with one of its addresses, or --bind 0.0.0.0 for all)"
+        ) from None
+    listener.listen(1024)
+    return listener
+
+
+def bound_store(
+    addr: str, port: int, timeout_s: float, *, multi_tenant: bool = False
+) -> tuple[Any, socket.socket]:
+    """A TCPStore server listening on ``addr`` alone. torch's TCPStore listens on every
+    interface whatever host it is given; handed a bound socket it listens there. Keep the
+    socket referenced as long as the store."""
+    import torch.distributed as dist
+
+    listener = listen_socket(addr, port)
+    store = dist.TCPStore(
+        addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+        multi_tenant=multi_tenant, timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=listener.fileno(),
+    )  # fmt: skip
+    return store, listener
+
+
+class _CallTimer:
+    """Watches the calls in flight; one that outlives ``limit_s`` ends the process."""
+
+    def __init__(self, endpoint: str, limit_s: float) -> None:
+        self.endpoint, self.limit_s = endpoint, limit_s
+        self._since: dict[int, float] = {}  # thread id -> start of its call
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True, name="scaletrain-rdzv-timer").start()
+
+    def begin(self) -> None:
+        with self._lock:
+            self._since[threading.get_ident()] = time.monotonic()
+
+    def end(self) -> None:
+        with self._lock:
+            self._since.pop(threading.get_ident(), None)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                oldest = min(self._since.values(), default=None)
+            if oldest is not None and time.monotonic() - oldest > self.limit_s:
+                sys.stderr.write(
+                    f"scaletrain: error: node 0's rendezvous store at {self.endpoint} has not "
+                    f"answered for {self.limit_s:.0f} s: this node lost its network to node 0, "
+                    "or node 0 is gone. Stopping this node and its workers.\n"
+                )
+                sys.stderr.flush()
+                os._exit(UNREACHABLE_EXIT_CODE)
+
+
+def _guarded(backend: Any, timer: _CallTimer) -> Any:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+    class GuardedBackend(RendezvousBackend):
+        @property
+        def name(self) -> str:  # the agent checks it against the name it asked for
+            return BACKEND_NAME
+
+        def get_state(self) -> Any:
+            timer.begin()
+            try:
+                return backend.get_state()
+            finally:
+                timer.end()
+
+        def set_state(self, state: bytes, token: Any = None) -> Any:
+            timer.begin()
+            try:
+                return backend.set_state(state, token)
+            finally:
+                timer.end()
+
+    return GuardedBackend()
+
+
+def _create_handler(params: Any) -> Any:
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+        create_backend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    read_timeout = int(params.get_as_int("read_timeout", 60) or 60)
+    if params.get_as_bool("is_host"):
+        host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+        bind = params.get("bind") or host
+        store, listener = bound_store(bind, port, read_timeout, multi_tenant=True)
+        _LISTENERS.append(listener)  # the store listens on it as long as this agent runs
+        backend: Any = C10dRendezvousBackend(store, params.run_id)
+    else:
+        backend, store = create_backend(params)
+    timer = _CallTimer(params.endpoint, read_timeout + GRACE_S)
+    return create_handler(store, _guarded(backend, timer), params)
+
+
+def register() -> None:
+    """Make ``rdzv_backend="scaletrain"`` known to the agent (in this process)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND_NAME, _create_handler)  # idempotent
