@@ -197,11 +197,13 @@ class NetworkLab:
         port: int = 29500,
         nnodes: str = "",
         shared_out: bool = False,
+        env: dict[str, str] | None = None,
     ) -> list[subprocess.Popen[str]]:
         """Start ``scaletrain run ARGS`` on every host as one job: host 0 hosts the c10d
         rendezvous, every node binds gloo to its eth0 and writes to out_root/node<i>, or with
         ``shared_out`` all to out_root (a file system every host shares, as restart recovery
-        across nodes needs). ``nnodes``: --nnodes (default: the number of hosts)."""
+        across nodes needs). ``nnodes``: --nnodes (default: the number of hosts); ``env``: added
+        to every node's environment."""
         import sys
 
         procs = []
@@ -214,12 +216,11 @@ class NetworkLab:
                 "--rdzv-endpoint", f"{self.hosts[0].ip}:{port}", "--rdzv-id", self.name,
                 "--local-addr", host.ip, "--out", str(out),
             ]  # fmt: skip
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=host.ifname)
             procs.append(
                 self.popen(
                     host.index,
                     argv,
-                    env=env,
+                    env={**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": host.ifname},
                     text=True,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,

@@ -143,6 +143,8 @@ def test_bad_parameter_server_input_fails_before_any_process(tmp_path):
         (["--nproc-per-node", "2", "--num-servers", "2"], "2 servers leave no worker"),
         (["--consistency", "ssp"], "--consistency ssp needs --staleness"),
         (["--join-token-file", "/nonexistent/token"], "join_token_file: cannot read"),
+        (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1"], "fixed set of processes"),
+        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"], "needs the same secret"),
     ]
     for args, message in cases:
         out = tmp_path / "run"

@@ -94,24 +94,26 @@ def _wait_for(predicate, procs, timeout_s=180):
         time.sleep(0.2)
 
 
-def _worker_ranks(lab, host):
-    """The global ranks of the workers now running on ``host`` (from their environment)."""
-    ranks = []
+def _worker_envs(lab, host):
+    """The environments of the worker processes now running on ``host``."""
+    envs = []
     pids = subprocess.run(
         ["ip", "netns", "pids", lab.hosts[host].netns], capture_output=True, text=True
     ).stdout.split()
     for pid in pids:
         try:
-            env = dict(
-                item.split("=", 1)
-                for item in Path(f"/proc/{pid}/environ").read_text().split("\0")
-                if "=" in item
-            )
+            text = Path(f"/proc/{pid}/environ").read_text()
         except OSError:
             continue
+        env = dict(item.split("=", 1) for item in text.split("\0") if "=" in item)
         if "RANK" in env and "TORCHELASTIC_RESTART_COUNT" in env:
-            ranks.append(int(env["RANK"]))
-    return sorted(ranks)
+            envs.append(env)
+    return envs
+
+
+def _worker_ranks(lab, host):
+    """The global ranks of the workers now running on ``host``."""
+    return sorted(int(env["RANK"]) for env in _worker_envs(lab, host))
 
 
 def _listeners(lab, host):
@@ -158,3 +160,32 @@ def test_three_hosts_survive_a_dead_host_then_a_cut_cable(tmp_path):
     assert second["cause"] == "hang" and second["ranks"] == cut, second
     assert second["world_size"] == 1
     assert 6 <= second["detected_at"] - cut_at < 6 + 5
+
+
+@needs_lab
+def test_parameter_server_across_three_hosts(tmp_path):
+    """--strategy ps on three hosts, two processes each: hosts 0 and 1 run the four workers,
+    host 2 both servers (the world's last ranks). The store is node 0's, on its address; the
+    links cross the bridge; the job shares one secret."""
+    out = tmp_path / "run"
+    args = ["--strategy", "ps", "--num-servers", "2", "--consistency", "bsp", "--lr", "0.05",
+            "--epochs", "10", "--batch-size", "32", "--seed", "1", "--num-threads", "1",
+            "--timeout-s", "60"]  # fmt: skip
+    with NetworkLab(3) as lab:
+        lab.wait_ready()
+        secret = {"SCALETRAIN_JOIN_TOKEN": "one secret per job"}
+        procs = lab.launch_scaletrain(args, out, nproc_per_node=2, shared_out=True, env=secret)
+        deadline = time.monotonic() + 120
+        roles = {}
+        while len(roles) < 6 and time.monotonic() < deadline:
+            for host in range(3):
+                for env in _worker_envs(lab, host):
+                    roles[int(env["RANK"])] = (host, env["SCALETRAIN_PS_ROLE"])
+            time.sleep(0.1)
+        outputs = [p.communicate(timeout=240) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    assert roles == {0: (0, "worker"), 1: (0, "worker"), 2: (1, "worker"), 3: (1, "worker"),
+                     4: (2, "server"), 5: (2, "server")}  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.95 and summary["world_size"] == 6
+    assert summary["ps"]["num_workers"] == 4 and summary["ps"]["server_updates"] == [120, 120]

@@ -33,8 +33,12 @@ def describe_exit(code: int) -> str:
 
 
 class ProcessFleet:
-    def __init__(self, run_dir: Path, world: int, max_restarts: int) -> None:
+    def __init__(
+        self, run_dir: Path, world: int, max_restarts: int, local: range | None = None
+    ) -> None:
+        """``local``: the global ranks this node runs (default: all of them)."""
         self.run_dir, self.world, self.max_restarts = run_dir, world, max_restarts
+        self.local = local if local is not None else range(world)
         self.attempts = [0] * world
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.deaths: list[dict[str, Any]] = []
@@ -46,9 +50,9 @@ class ProcessFleet:
         return {
             **os.environ,
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank - self.local.start),
             "WORLD_SIZE": str(self.world),
-            "LOCAL_WORLD_SIZE": str(self.world),
+            "LOCAL_WORLD_SIZE": str(len(self.local)),
             "TORCHELASTIC_RESTART_COUNT": str(self.attempts[rank]),
         }
 
@@ -76,12 +80,13 @@ class ProcessFleet:
             del self.procs[rank]
             if code == 0:
                 self.finished.add(rank)
+                self.ended(rank, "finished")
             else:
                 self._died(rank, code)
 
     def run(self, ranks: range | list[int] | None = None) -> None:
         try:
-            for rank in ranks if ranks is not None else range(self.world):
+            for rank in ranks if ranks is not None else self.local:
                 self.start(rank)
             while self.keep_running():
                 self.poll()
@@ -114,6 +119,10 @@ class ProcessFleet:
             self.start(rank)
         else:
             self.failed.add(rank)
+            self.ended(rank, "failed")
+
+    def ended(self, rank: int, how: str) -> None:
+        """``rank`` finished, or failed for good (``how``); for subclasses to publish."""
 
     def kind(self, rank: int) -> str:
         return "death"

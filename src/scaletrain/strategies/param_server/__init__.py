@@ -1,7 +1,8 @@
 """--strategy ps: a sharded parameter server with bsp, asp and ssp consistency.
 
 ``--nproc-per-node N --num-servers K`` starts K server processes and N - K workers (ranks
-0..W-1 are the workers, W..N-1 the servers), all from one launcher (supervisor.py). The
+0..W-1 are the workers, W..N-1 the servers), all from one launcher (supervisor.py); across
+``--nnodes M`` the M x N ranks are laid out the same way, node i running its N of them. The
 flattened parameters are cut into K slices balanced by bytes (consistency.shard_ranges: a
 large tensor may be split); each server keeps its slice and the optimizer state for it and
 applies the workers' gradients (server.py). Workers pull parameters, compute gradients on
@@ -19,12 +20,14 @@ The modules:
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 from torch import nn
 
-from scaletrain.config import RunConfig
+from scaletrain.config import RunConfig, parse_nnodes
 from scaletrain.strategies.base import StrategyChecks, model_bytes
+from scaletrain.strategies.param_server.admission import TOKEN_ENV
 
 
 class ParameterServer(StrategyChecks):
@@ -33,6 +36,18 @@ class ParameterServer(StrategyChecks):
     @classmethod
     def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
         k = cfg.ps.num_servers
+        lo, hi = parse_nnodes(cfg.launch.nnodes)
+        if lo != hi:
+            raise ValueError(
+                f"nnodes: a parameter server job has a fixed set of processes; pass --nnodes N, "
+                f"not {cfg.launch.nnodes!r}"
+            )
+        if hi > 1 and not (cfg.launch.join_token_file or os.environ.get(TOKEN_ENV)):
+            raise ValueError(
+                "join token: a parameter server across nodes needs the same secret on every "
+                f"node: --join-token-file PATH or ${TOKEN_ENV} (otherwise each node draws its "
+                "own and their processes cannot join each other)"
+            )
         if k >= world_size:
             raise ValueError(
                 f"num_servers: {k} servers leave no worker in a world of {world_size} processes; "

@@ -42,17 +42,50 @@ class PSFailed(RuntimeError):
 
 
 class PSFleet(ProcessFleet):
+    """This node's share of a parameter-server job. Across nodes (``--nnodes N``) the ranks
+    are laid out as on one: workers first, the K servers last, node i running ranks
+    ``i*nproc .. i*nproc+nproc-1``; node 0 hosts the store at --rdzv-endpoint (on --bind, by
+    default that address), and every node publishes there how each of its ranks ended
+    (``ps/end/RANK``), so node 0 can tell the servers to finish and wait for their slices.
+    The run directory must be on a file system every node shares (the servers' final slices
+    and the workers' totals are read from it), as for restart recovery."""
+
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        from scaletrain.config import parse_nnodes
+        from scaletrain.rendezvous import bound_store
         from scaletrain.runtime import loopback_store
 
-        super().__init__(run_dir, cfg.launch.nproc_per_node, cfg.launch.max_restarts)
+        nnodes, nproc = parse_nnodes(cfg.launch.nnodes)[0], cfg.launch.nproc_per_node
+        first = cfg.launch.node_rank * nproc
+        super().__init__(
+            run_dir, nnodes * nproc, cfg.launch.max_restarts, range(first, first + nproc)
+        )
         self.cfg = cfg
+        self.is_head = cfg.launch.node_rank == 0
         self.num_servers = cfg.ps.num_servers
         self.num_workers = self.world - self.num_servers
-        # The processes are all local: the store listens on loopback only.
-        self.store, self.listener = loopback_store(cfg.launch.timeout_s)
+        self.listener = None
+        if nnodes == 1:  # the processes are all local: the store listens on loopback only
+            self.store, self.listener = loopback_store(cfg.launch.timeout_s)
+            self.address = f"127.0.0.1:{self.store.port}"
+        else:
+            host, _, port = cfg.launch.rdzv_endpoint.rpartition(":")
+            if self.is_head:
+                self.store, self.listener = bound_store(
+                    cfg.launch.bind or host, int(port), cfg.launch.timeout_s
+                )
+            else:
+                self.store = TCPStore(host, int(port), is_master=False,
+                                      timeout=timedelta(seconds=cfg.launch.timeout_s))  # fmt: skip
+            self.address = cfg.launch.rdzv_endpoint
         self.finish_at: float | None = None
         self.token = launcher_token(cfg.launch.join_token_file)
+        self._remote: dict[int, str] = {}  # how ranks of other nodes ended
+        self._remote_read = 0.0
 
     def is_worker(self, rank: int) -> bool:
         return rank < self.num_workers
@@ -61,38 +94,63 @@ class PSFleet(ProcessFleet):
         return {
             **super().env(rank),
             ROLE_ENV: "worker" if self.is_worker(rank) else "server",
-            STORE_ENV: f"127.0.0.1:{self.store.port}",
+            STORE_ENV: self.address,
             TOKEN_ENV: self.token,
         }
 
     def kind(self, rank: int) -> str:
         return "ps-worker" if self.is_worker(rank) else "ps-server"
 
+    def ended(self, rank: int, how: str) -> None:
+        if len(self.local) < self.world:
+            self.store.set(f"ps/end/{rank}", how)
+
+    def ends(self) -> tuple[set[int], set[int]]:
+        """(finished, failed for good): this node's ranks, and the others' as published."""
+        now = time.monotonic()
+        if now - self._remote_read > 0.5:
+            self._remote_read = now
+            for rank in set(range(self.world)) - set(self.local) - set(self._remote):
+                if self.store.check([f"ps/end/{rank}"]):
+                    self._remote[rank] = self.store.get(f"ps/end/{rank}").decode()
+        finished = self.finished | {r for r, how in self._remote.items() if how == "finished"}
+        failed = self.failed | {r for r, how in self._remote.items() if how == "failed"}
+        return finished, failed
+
     def keep_running(self) -> bool:
+        if not self.is_head:  # node 0 decides when the job ends; here, run what is ours
+            servers = set(range(self.num_workers, self.world))
+            return bool(self.procs) and not servers & self.failed
+        finished, failed = self.ends()
         workers = set(range(self.num_workers))
         servers = set(range(self.num_workers, self.world))
-        if servers & self.failed:
+        if servers & failed:
             return False
-        if workers & self.failed == workers:
+        if workers & failed == workers:
             return False
-        if workers <= self.finished | self.failed and self.finish_at is None:
+        if workers <= finished | failed and self.finish_at is None:
             self.store.set("ps/finish", "1")
             self.finish_at = time.monotonic()
         if self.finish_at is not None:
-            waiting = servers - self.finished
+            waiting = servers - finished
             return bool(waiting) and time.monotonic() - self.finish_at < FINISH_GRACE_S
         return True
 
     def check(self) -> None:
-        """After run(): raise PSFailed unless the run completed."""
+        """After run(): raise PSFailed unless the run completed (on node 0: the whole job;
+        on another node: its own servers)."""
+        finished, failed = self.ends() if self.is_head else (self.finished, self.failed)
         servers = set(range(self.num_workers, self.world))
         workers = set(range(self.num_workers))
-        dead_server = sorted(servers & self.failed)
-        if dead_server or not workers & self.finished or not servers <= self.finished:
+        if not self.is_head:
+            servers &= set(self.local)
+            workers = set()
+        dead_server = sorted(servers & failed)
+        if dead_server or (workers and not workers & finished) or not servers <= finished:
             rank = (
                 dead_server[0]
                 if dead_server
-                else (sorted(self.failed)[-1] if self.failed else min(servers - self.finished))
+                else (sorted(failed)[-1] if failed else min(servers - finished))
             )
             death = next((d for d in reversed(self.deaths) if d["rank"] == rank), None)
             log = self.run_dir / "logs" / f"rank{rank}.log"
@@ -117,7 +175,11 @@ def recoveries(fleet: PSFleet) -> list[dict[str, Any]]:
     events = _read_jsonl(fleet.run_dir / "logs" / "ps_events.jsonl")
     records = _read_jsonl(fleet.run_dir / "metrics.jsonl")
     out: list[dict[str, Any]] = []
-    for death in fleet.deaths:
+    # Deaths on other nodes, from the incidents their fleets appended to the shared run dir.
+    incidents = _read_jsonl(fleet.run_dir / "logs" / "incidents.jsonl")
+    kinds = ("ps-worker", "ps-server")
+    remote = [i for i in incidents if i["kind"] in kinds and i["rank"] not in fleet.local]
+    for death in [*fleet.deaths, *remote]:
         rank, died = death["rank"], death["died_at"]
         entry: dict[str, Any] = {
             "kind": fleet.kind(rank),
@@ -262,7 +324,7 @@ def run_ps(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]
     from scaletrain.launch import WorkerFailed, set_launch_env
     from scaletrain.metrics.progress import ProgressView
 
-    set_launch_env(cfg, local_only=True)
+    set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
     fleet = PSFleet(cfg, run_dir)
     with ProgressView(run_dir / "metrics.jsonl", enabled=show_progress):
         fleet.run()
@@ -270,6 +332,8 @@ def run_ps(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]
         fleet.check()
     except PSFailed as e:
         raise WorkerFailed(str(e)) from None
+    if not fleet.is_head:
+        return {"run_dir": str(run_dir)}  # node 0 writes summary.json
     summary = write_summary(fleet)
     summary["run_dir"] = str(run_dir)
     return summary
