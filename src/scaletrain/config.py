@@ -407,11 +407,12 @@ class RunConfig:
                 "recovery",
                 "inplace recovery averages plain gradients; drop --compression",
             )
+            lo, hi = parse_nnodes(self.launch.nnodes)
             _require(
-                parse_nnodes(self.launch.nnodes) == (1, 1),
-                "recovery",
-                "inplace recovery runs on one node for now (its coordinator binds to "
-                "loopback); use --recovery restart across nodes",
+                lo == hi,
+                "nnodes",
+                "inplace recovery starts a fixed set of replicas (the survivors of a lost node "
+                f"go on without it); pass --nnodes N, not {self.launch.nnodes!r}",
             )
         if self.train.strategy == "ps":
             _require(

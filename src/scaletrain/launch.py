@@ -287,7 +287,7 @@ def run_inplace_mode(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict
     from scaletrain.fault.supervisor import InplaceFailed, run_inplace
     from scaletrain.metrics.progress import ProgressView
 
-    set_launch_env(cfg, local_only=True)
+    set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
     try:
         with ProgressView(run_dir / "metrics.jsonl", enabled=show_progress):
             summary = run_inplace(cfg, run_dir)

@@ -84,7 +84,7 @@ def test_inplace_refuses_what_it_cannot_do():
     base = {"recovery": "inplace"}
     for overrides, message in [
         ({"strategy": "fsdp"}, "inplace recovery runs data parallel training"),
-        ({"nnodes": "2", "rdzv_endpoint": "127.0.0.1:29999"}, "runs on one node for now"),
+        ({"nnodes": "1:2", "rdzv_endpoint": "127.0.0.1:29999"}, "starts a fixed set of replicas"),
         ({"compression": "fp16"}, "drop --compression"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -189,3 +189,37 @@ def test_parameter_server_across_three_hosts(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["test_accuracy"] >= 0.95 and summary["world_size"] == 6
     assert summary["ps"]["num_workers"] == 4 and summary["ps"]["server_updates"] == [120, 120]
+
+
+@needs_lab
+def test_inplace_across_three_hosts_survives_a_dead_host_then_a_cut_cable(tmp_path):
+    """--recovery inplace on three hosts: host 0 hosts torchft's lighthouse on its address,
+    each replica listens on its own host's address. Host 2 is SIGKILLed whole, then host 1's
+    cable is cut; host 0 trains on without restarting or rolling back, each time. Host 1,
+    cut off, fails with the supervisor's account once its replica cannot reach the
+    lighthouse."""
+    out = tmp_path / "run"
+    args = ["--recovery", "inplace", "--epochs", "4", "--max-restarts", "1", "--seed", "1",
+            "--hang-timeout-s", "6", "--timeout-s", "10"]  # fmt: skip
+    with NetworkLab(3) as lab:
+        lab.wait_ready()
+        procs = lab.launch_scaletrain(args, out, shared_out=True)
+        _wait_for(lambda: any(r["step"] >= 8 for r in _records(out)), procs)
+        for host in lab.hosts:  # lighthouse, stores, manager and checkpoint servers
+            listening = _listeners(lab, host.index)
+            assert len(listening) >= 4, listening
+            assert all(a.startswith(f"{host.ip}:") for a in listening), listening
+        assert _worker_ranks(lab, 2) == [2] and _worker_ranks(lab, 1) == [1]
+        lab.kill_host(2)
+        _wait_for(lambda: any(r["step"] >= 25 for r in _records(out)), procs)
+        lab.link_down(1)
+        outputs = [p.communicate(timeout=240) for p in procs[:2]]
+        assert procs[0].returncode == 0, outputs[0]
+        assert procs[1].returncode != 0 and "every replica failed" in outputs[1][1], outputs[1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_accuracy"] >= 0.95 and summary["replicas_agree"]
+    killed, cut = summary["recoveries"]
+    assert killed["rank"] == 2 and killed["cause"].startswith("left") and killed["lost_steps"] == 0
+    assert killed["world_size"] == 2 and killed["detected_s"] < 3, killed
+    assert cut["rank"] == 1 and cut["world_size"] == 1
+    assert 5 <= cut["detected_s"] < 6 + 5, cut  # the in-flight all-reduce's timeout

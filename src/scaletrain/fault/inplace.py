@@ -30,10 +30,12 @@ the launcher builds summary.json from those and its own record of deaths and res
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -49,12 +51,71 @@ from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
 from scaletrain.fault.inject import parse_inject
 from scaletrain.metrics.sinks import StepSinks
 from scaletrain.metrics.summary import RankTotals, params_sha256, peak_rss_bytes
-from scaletrain.runtime import loopback_store, pick_device
+from scaletrain.rendezvous import bound_store
+from scaletrain.runtime import pick_device
 from scaletrain.task import Task, build_optimizer
 
 log = logging.getLogger("scaletrain.inplace")
 
 LIGHTHOUSE_ENV = "SCALETRAIN_LIGHTHOUSE"
+# This node's address: where a replica's store, manager and checkpoint server listen, and what
+# they tell the others (the supervisor sets it; 127.0.0.1 on one node).
+ADDR_ENV = "SCALETRAIN_ADDR"
+
+
+def url_host(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+
+
+def bound_checkpoint_transport(addr: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint server (healing copies the state through it), listening on
+    ``addr`` and advertising it. torchft's own listens on every interface ([::]) and
+    advertises socket.gethostname(), which need not resolve to this host elsewhere (it does
+    not inside a network namespace)."""
+    import socket
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    class Server(ThreadingHTTPServer):
+        address_family = family
+        request_queue_size = 1024
+
+    class BoundTransport(HTTPTransport[dict[str, Any]]):
+        def __init__(self) -> None:
+            super().__init__(timeout=timeout, num_chunks=0)
+            handler = self._server.RequestHandlerClass  # type: ignore[has-type]
+            self.shutdown()  # the one on [::], before anyone learnt its address
+            self._server = Server((addr.strip("[]"), 0), handler)
+            self._thread = threading.Thread(target=self._serve, daemon=True)
+            self._thread.start()
+
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{url_host(addr)}:{port}/checkpoint/"
+
+    return BoundTransport()
+
+
+@contextlib.contextmanager
+def manager_server_bound_to(addr: str) -> Iterator[None]:
+    """torchft's Manager starts its ManagerServer on ``[::]:PORT`` (hard-coded); this makes it
+    listen on ``addr`` instead, while the Manager is built."""
+    import torchft.manager as torchft_manager
+
+    real = torchft_manager.ManagerServer
+
+    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
+        return real(*args, bind=f"{url_host(addr)}:{bind.rpartition(':')[2]}", **kwargs)
+
+    torchft_manager.ManagerServer = bound  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = real  # type: ignore[misc]
 
 
 def wait_for_peers(run_dir: Path, rank: int, world: int, timeout_s: float) -> None:
@@ -94,24 +155,28 @@ class InplaceTrainer:
         timeout = timedelta(seconds=cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2)
         # This replica's own store (a group of one): torchft keeps its process-group
         # rendezvous keys there.
-        self.store, self._listener = loopback_store()
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            load_state_dict=self._load_state_dict,
-            state_dict=self._state_dict,
-            min_replica_size=1,
-            use_async_quorum=False,  # the step's membership decides its data split
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=cfg.launch.timeout_s),
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            store_port=self.store.port,
-            lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
-            replica_id=f"replica{self.rank}",
-            hostname="127.0.0.1",
-            heartbeat_interval=timedelta(milliseconds=100),
-        )
+        addr = os.environ.get(ADDR_ENV, "127.0.0.1")
+        self.store, self._listener = bound_store(addr, 0, cfg.launch.timeout_s)
+        with manager_server_bound_to(addr):
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout),
+                load_state_dict=self._load_state_dict,
+                state_dict=self._state_dict,
+                min_replica_size=1,
+                use_async_quorum=False,  # the step's membership decides its data split
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.launch.timeout_s),
+                connect_timeout=timedelta(seconds=cfg.launch.timeout_s),
+                rank=0,
+                world_size=1,
+                store_addr=addr,
+                store_port=self.store.port,
+                lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
+                replica_id=f"replica{self.rank}",
+                hostname=url_host(addr),
+                checkpoint_transport=bound_checkpoint_transport(addr, timeout),
+                heartbeat_interval=timedelta(milliseconds=100),
+            )
 
     def _state_dict(self) -> dict[str, Any]:
         return {

@@ -11,13 +11,20 @@ a restarted replica ``rejoined_step`` and ``rejoin_s`` (relaunch to its first co
 most of it a fresh Python importing torch). ``lost_steps`` is 0 by construction: nothing rolls
 back; a step that was in flight is not applied and its samples are trained in the next one.
 
-The lighthouse binds to loopback: the mode runs on one node for now.
+Across nodes (``--nnodes N``), node i's supervisor runs replicas ``i*nproc ..``; node 0 hosts
+the lighthouse at --rdzv-endpoint (listening on --bind, by default that address), and every
+replica listens on, and advertises, its node's address (ADDR_ENV). The run directory is
+shared (replicas write their steps and finals there); node 0 writes summary.json. A replica
+of another node that leaves the quorum without its node recording a death (the node died, or
+its network did) is recorded from metrics.jsonl as ``cause: "left"``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +32,7 @@ from typing import Any
 from scaletrain.config import RunConfig
 from scaletrain.fault.checkpoint import atomic_write_json
 from scaletrain.fault.fleet import ProcessFleet
-from scaletrain.fault.inplace import LIGHTHOUSE_ENV, read_finals
+from scaletrain.fault.inplace import ADDR_ENV, LIGHTHOUSE_ENV, read_finals, url_host
 from scaletrain.metrics.logs import tail
 from scaletrain.metrics.summary import RankTotals, build_summary
 
@@ -39,25 +46,51 @@ class InplaceFailed(RuntimeError):
     """Every replica failed for good."""
 
 
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
+
+
 class Supervisor(ProcessFleet):
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         # The lighthouse logs every quorum at INFO from Rust, into the launcher's terminal.
         os.environ.setdefault("RUST_LOG", "warn")
         from torchft.coordination import LighthouseServer
 
-        super().__init__(run_dir, cfg.launch.nproc_per_node, cfg.launch.max_restarts)
-        self.cfg = cfg
-        self.lighthouse = LighthouseServer(
-            bind="127.0.0.1:0",
-            min_replicas=1,
-            join_timeout_ms=JOIN_TIMEOUT_MS,
-            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+        from scaletrain.config import parse_nnodes
+
+        nnodes, nproc = parse_nnodes(cfg.launch.nnodes)[0], cfg.launch.nproc_per_node
+        first = cfg.launch.node_rank * nproc
+        super().__init__(
+            run_dir, nnodes * nproc, cfg.launch.max_restarts, range(first, first + nproc)
         )
+        self.cfg = cfg
+        self.is_head = cfg.launch.node_rank == 0
+        self.lighthouse = None
+        if nnodes == 1:
+            host, port, self.addr = "127.0.0.1", 0, "127.0.0.1"
+        else:
+            host, _, port_text = cfg.launch.rdzv_endpoint.rpartition(":")
+            host, port = host.strip("[]"), int(port_text)
+            self.addr = cfg.launch.local_addr or route_address(host, port)
+        if self.is_head:
+            self.lighthouse = LighthouseServer(
+                bind=f"{url_host(cfg.launch.bind or host)}:{port}",
+                min_replicas=1,
+                join_timeout_ms=JOIN_TIMEOUT_MS,
+                heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+            )
+            port = int(self.lighthouse.address().rpartition(":")[2])
+        # torchft's address() names this machine's hostname; the others dial the address.
+        self.lighthouse_url = f"http://{url_host(host)}:{port}"
 
     def env(self, rank: int) -> dict[str, str]:
         return {
             **super().env(rank),
-            LIGHTHOUSE_ENV: self.lighthouse.address(),
+            LIGHTHOUSE_ENV: self.lighthouse_url,
+            ADDR_ENV: self.addr,
             "SCALETRAIN_RECOVERY": "inplace",
         }
 
@@ -72,7 +105,8 @@ class Supervisor(ProcessFleet):
         try:
             super().run(ranks)
         finally:
-            self.lighthouse.shutdown()
+            if self.lighthouse is not None:
+                self.lighthouse.shutdown()
         if not self.finished:
             last = self.deaths[-1] if self.deaths else {"rank": 0, "cause": "no replica finished"}
             log = self.run_dir / "logs" / f"rank{last['rank']}.log"
@@ -82,22 +116,48 @@ class Supervisor(ProcessFleet):
             )
 
     def recoveries(self) -> list[dict[str, Any]]:
-        """Each death, timed from the steps in metrics.jsonl."""
+        """Each death, timed from the steps in metrics.jsonl: this node's, those other nodes'
+        supervisors recorded (logs/incidents.jsonl), and replicas of other nodes that left
+        with no death recorded (their node died, or its network did)."""
         path = self.run_dir / "metrics.jsonl"
         records = (
             [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         )
+        incidents = self.run_dir / "logs" / "incidents.jsonl"
+        trained = {(r["rank"], r["attempt"]) for r in records}
+        remote = [  # a replica restarted there that never trained again adds nothing here
+            i
+            for i in (json.loads(line) for line in incidents.read_text().splitlines())
+            if i["kind"] == "inplace" and i["rank"] not in self.local
+            and (i["rank"], i["attempt"]) in trained
+        ] if incidents.exists() else []  # fmt: skip
+        deaths = [*self.deaths, *remote]
+        last_step = max((r["step"] for r in records), default=0)
+        for rank in sorted({r["rank"] for r in records} - set(self.local)):
+            mine = [r for r in records if r["rank"] == rank]
+            last = max(mine, key=lambda r: r["unix_time"])
+            recorded = any(d["rank"] == rank and d["attempt"] == last["attempt"] for d in deaths)
+            if last["step"] < last_step and not recorded:
+                deaths.append({"rank": rank, "attempt": last["attempt"], "restarted": False,
+                               "died_at": last["unix_time"], "cause": "left: its node "
+                               "stopped answering (down, or cut off)"})  # fmt: skip
         out = []
-        for death in self.deaths:
+        for death in deaths:
             rank, died = death["rank"], death["died_at"]
             mine = [r for r in records if r["rank"] == rank and r["attempt"] == death["attempt"]]
-            after = sorted((r for r in records if r["rank"] != rank and r["unix_time"] > died),
+            # A death recorded after the replica had stopped stepping (its node lost the
+            # network and noticed late) is timed from its last step.
+            died = min(died, max((r["unix_time"] for r in mine), default=died) + 1.0)
+            failed_step = max((r["step"] for r in mine), default=0) + 1
+            # The others' steps from the one it did not complete: the first is the first
+            # without it (a record is written once its step committed).
+            after = sorted((r for r in records if r["rank"] != rank and r["step"] >= failed_step),
                            key=lambda r: r["unix_time"])  # fmt: skip
             entry = {
                 "kind": "inplace",
                 "rank": rank,
                 "cause": death["cause"],
-                "failed_step": max((r["step"] for r in mine), default=0) + 1,
+                "failed_step": failed_step,
                 "failed_at": died,
                 "lost_steps": 0,
                 "world_size": after[0]["participants"] if after else None,
@@ -113,13 +173,30 @@ class Supervisor(ProcessFleet):
             if death["restarted"]:
                 back = [r for r in records
                         if r["rank"] == rank and r["attempt"] == death["attempt"] + 1]  # fmt: skip
-                if back:
+                if back and "restarted_at" in death:
                     entry["rejoined_step"] = back[0]["step"]
                     entry["rejoin_s"] = back[0]["unix_time"] - death["restarted_at"]
             out.append(entry)
-        return out
+        return sorted(out, key=lambda e: e["failed_at"])
+
+    def wait_for_remote_finals(self, timeout_s: float = 30.0) -> None:
+        """Replicas of other nodes that reached the last step write their finals a moment
+        after this node's: wait for those (not for replicas that left)."""
+        path = self.run_dir / "metrics.jsonl"
+        if len(self.local) == self.world or not path.exists():
+            return
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        last_step = max((r["step"] for r in records), default=0)
+        ending = {r["rank"] for r in records if r["step"] == last_step} - set(self.local)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            have = {f["totals"]["rank"] for f in read_finals(self.run_dir)}
+            if ending <= have:
+                return
+            time.sleep(0.2)
 
     def summary(self) -> dict[str, Any]:
+        self.wait_for_remote_finals()
         finals = read_finals(self.run_dir)
         # The replica that trained longest (a restarted one joined late).
         main = max(finals, key=lambda f: (f["progress"]["step"], f["wall_s"]))
@@ -160,4 +237,6 @@ class Supervisor(ProcessFleet):
 def run_inplace(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     supervisor = Supervisor(cfg, run_dir)
     supervisor.run()
+    if not supervisor.is_head:
+        return {}  # node 0 writes summary.json
     return supervisor.summary()
