@@ -28,6 +28,12 @@ def isolated_env():
         os.environ.update(saved)
 
 
+def listeners(pids: list[int]) -> list[str]:
+    """Local addresses of the TCP sockets these processes listen on (needs ss)."""
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    return [line.split()[3] for line in lines if any(f"pid={p}," in line for p in pids)]
+
+
 def processes_mentioning(text: str) -> list[int]:
     """PIDs whose command line contains ``text`` (e.g. a run directory)."""
     pids = []
@@ -62,7 +68,9 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
     )
 
 
-def start_local_nodes(num_nodes: int, args: list[str], rdzv_id: str) -> list[subprocess.Popen[str]]:
+def start_local_nodes(
+    num_nodes: int, args: list[str], rdzv_id: str, node_args: list[list[str]] | None = None
+) -> list[subprocess.Popen[str]]:
     """``scaletrain run ARGS`` once per "node" on this machine, as torchrun users start one per
     host: --node-rank i and a shared c10d rendezvous on a free loopback port (node 0 hosts it).
     Communicate with a timeout: a hang fails the test."""
@@ -82,6 +90,7 @@ def start_local_nodes(num_nodes: int, args: list[str], rdzv_id: str) -> list[sub
                 *args,
                 "--node-rank",
                 str(node),
+                *(node_args[node] if node_args else []),
                 "--rdzv-endpoint",
                 f"127.0.0.1:{port}",
                 "--rdzv-id",

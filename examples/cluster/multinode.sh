@@ -3,9 +3,11 @@
 # torchrun's flags, under the same names. Node 0 hosts the rendezvous at HEAD_ADDR:29500; every
 # node must reach it and each other on NETWORK_IFACE (a private network: see docs/cluster.md).
 #
-#   HEAD_ADDR=10.0.0.1 NODE_RANK=0 NNODES=2 NETWORK_IFACE=eth0 bash multinode.sh   # machine 0
-#   HEAD_ADDR=10.0.0.1 NODE_RANK=1 NNODES=2 NETWORK_IFACE=eth0 bash multinode.sh   # machine 1
+#   OUT=/shared/runs/job1 HEAD_ADDR=10.0.0.1 NODE_RANK=0 NETWORK_IFACE=eth0 bash multinode.sh
+#   OUT=/shared/runs/job1 HEAD_ADDR=10.0.0.1 NODE_RANK=1 NETWORK_IFACE=eth0 bash multinode.sh
 #
+# OUT is one directory for all machines, on a file system they share (restarts read its
+# checkpoints on every machine).
 # Extra arguments go to `scaletrain run` (e.g. --dry-run to check the plan first).
 set -euo pipefail
 : "${HEAD_ADDR:?the address of node 0}" "${NODE_RANK:?the index of this machine, 0..NNODES-1}"
@@ -17,4 +19,4 @@ exec "${SCALETRAIN:-scaletrain}" run \
     --rdzv-endpoint "$HEAD_ADDR:29500" --rdzv-id "${JOB_ID:-digits-ddp}" \
     --local-addr "${LOCAL_ADDR:-$(hostname -i 2>/dev/null | cut -d' ' -f1)}" \
     --strategy ddp --dataset digits --epochs 10 --batch-size 32 --lr 0.05 \
-    --checkpoint-every 20 --max-restarts 3 --out "${OUT:-runs/multinode}/node$NODE_RANK" "$@"
+    --checkpoint-every 20 --max-restarts 3 --out "${OUT:?a run directory on a file system every machine shares}" "$@"

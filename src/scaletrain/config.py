@@ -75,6 +75,13 @@ class LaunchSection:
             "help": "MIN:MAX nodes: how long a rendezvous waits for more nodes once MIN joined"
         },
     )
+    rdzv_keep_alive_s: int = field(
+        default=5,
+        metadata={
+            "help": "a node whose launcher is silent 3x this long leaves the rendezvous "
+            "(torch's default 5; lower notices a dead node sooner, too low drops slow ones)"
+        },
+    )
     timeout_s: float = field(
         default=300.0, metadata={"help": "timeout of rendezvous and every collective, seconds"}
     )
@@ -95,6 +102,7 @@ class LaunchSection:
         _require(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
         _require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
         _require(self.rdzv_last_call_s >= 0, "rdzv_last_call_s", "must be >= 0")
+        _require(self.rdzv_keep_alive_s >= 1, "rdzv_keep_alive_s", "must be >= 1")
         if self.rdzv_endpoint:
             host, _, port = self.rdzv_endpoint.rpartition(":")
             _require(

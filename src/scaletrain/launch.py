@@ -195,6 +195,7 @@ def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
             # torch's default is 30 s: every re-rendezvous after a lost node waits that long
             # for nodes that may still come, when fewer than MAX are left.
             "last_call_timeout": cfg.launch.rdzv_last_call_s,
+            "keep_alive_interval": cfg.launch.rdzv_keep_alive_s,
         },
         max_restarts=cfg.launch.max_restarts,
         logs_specs=RunLogsSpecs(run_dir),
@@ -215,6 +216,20 @@ def set_launch_env(cfg: RunConfig, local_only: bool) -> None:
     if local_only and sys.platform.startswith("linux"):
         # Keep a local job on loopback even when the hostname resolves to another interface.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    elif not local_only and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo would take the interface of the hostname; the address the user named wins.
+        iface = gloo_interface(cfg)
+        if iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+
+
+def gloo_interface(cfg: RunConfig) -> str | None:
+    """The interface of --bind (or --local-addr), for gloo when GLOO_SOCKET_IFNAME is unset."""
+    from scaletrain.rendezvous import interface_of
+
+    addr = cfg.launch.bind if cfg.launch.bind not in ("", "0.0.0.0", "::") else ""
+    addr = addr or cfg.launch.local_addr
+    return interface_of(addr) if addr and sys.platform.startswith("linux") else None
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
@@ -309,7 +324,18 @@ def describe_plan(cfg: RunConfig) -> str:
     endpoint = cfg.launch.rdzv_endpoint or "127.0.0.1:<a free port> (local)"
     host = "this node hosts it" if cfg.launch.node_rank == 0 else "node 0 hosts it"
     iface = os.environ.get("GLOO_SOCKET_IFNAME") or (
-        "lo" if not cfg.launch.rdzv_endpoint else "the interface of this host's name"
+        "lo"
+        if not cfg.launch.rdzv_endpoint
+        else gloo_interface(cfg) or "the interface of this host's name"
+    )
+    listen = cfg.launch.bind or (
+        "127.0.0.1"
+        if not cfg.launch.rdzv_endpoint
+        else (
+            f"{cfg.launch.rdzv_endpoint.rpartition(':')[0]} (node 0's rendezvous address)"
+            if cfg.launch.node_rank == 0
+            else f"{cfg.launch.local_addr or 'this host'}'s address"
+        )
     )
     out = cfg.out or "runs/<timestamp>"
     lines = [
@@ -324,6 +350,7 @@ def describe_plan(cfg: RunConfig) -> str:
             if os.environ.get("NCCL_SOCKET_IFNAME")
             else ""
         ),  # fmt: skip
+        f"  listens on: {listen}",
         f"  restarts: up to {cfg.launch.max_restarts}; run directory: {out}",
         "resolved configuration:",
         dumps_toml(cfg.to_dict()),

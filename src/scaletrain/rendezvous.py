@@ -28,10 +28,32 @@ import time
 from typing import Any
 
 BACKEND_NAME = "scaletrain"
-GRACE_S = 10.0
+GRACE_S = 5.0
 UNREACHABLE_EXIT_CODE = 69  # EX_UNAVAILABLE
 BIND_ENV = "SCALETRAIN_BIND"
 _LISTENERS: list[socket.socket] = []
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface holding the IPv4 address ``addr`` (Linux), or None."""
+    import fcntl
+    import struct
+
+    try:
+        packed = socket.inet_aton(addr)
+    except OSError:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(probe.fileno(), siocgifaddr, request)
+            except OSError:  # no IPv4 address on it
+                continue
+            if reply[20:24] == packed:
+                return name
+    return None
 
 
 def listen_socket(addr: str, port: int) -> socket.socket:

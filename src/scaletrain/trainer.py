@@ -30,6 +30,7 @@ from scaletrain.fault.checkpoint import (
     atomic_write_json,
     prune_rng_files,
     publish_dir,
+    read_index,
     remove_unfinished,
     rng_path,
     save_checkpoint,
@@ -112,7 +113,26 @@ class Trainer:
             run_dir=run_dir,
         )
 
+    def check_same_checkpoints(self) -> None:
+        """Every rank must resume from the same checkpoint. Across nodes that needs --out on
+        a file system they all share; otherwise node 0 alone would find its checkpoints and
+        the ranks would train from different states (or wait in different collectives)."""
+        if self.ctx.world_size == 1:
+            return
+        index = read_index(self.run_dir / "checkpoints")
+        newest = index[-1]["step"] if index else -1
+        bounds = torch.tensor([newest, -newest], device=self.ctx.device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        if int(bounds[0]) != -int(bounds[1]):
+            raise ValueError(
+                f"rank {self.ctx.rank} sees checkpoints up to step {newest} in "
+                f"{self.run_dir / 'checkpoints'} (-1: none), another rank up to step "
+                f"{int(bounds[0])}: every node must use the same --out on a shared file system "
+                "(NFS, Lustre, a ReadWriteMany volume) to resume across nodes"
+            )
+
     def fit(self) -> dict[str, Any] | None:
+        self.check_same_checkpoints()
         resumed = resume(
             self.run_dir / "checkpoints",
             self.strategy,

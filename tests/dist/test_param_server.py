@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from tests.conftest import REPO, assert_no_orphans, processes_mentioning, run_cli
+from scaletrain.cli import main
+from tests.conftest import REPO, assert_no_orphans, listeners, processes_mentioning, run_cli
 
 DIGITS = 1437  # training samples of the built-in digits set
 PS = ["--strategy", "ps", "--nproc-per-node", "5", "--num-servers", "2"]
@@ -137,7 +138,8 @@ def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
     assert_no_orphans(out)
 
 
-def test_bad_parameter_server_input_fails_before_any_process(tmp_path):
+def test_bad_parameter_server_input_fails_before_any_process(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SCALETRAIN_JOIN_TOKEN", raising=False)
     # The config checks are unit-tested (tests/unit/test_ps_rules.py); here, the CLI's exit.
     cases = [
         (["--nproc-per-node", "2", "--num-servers", "2"], "2 servers leave no worker"),
@@ -146,19 +148,19 @@ def test_bad_parameter_server_input_fails_before_any_process(tmp_path):
         (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1"], "fixed set of processes"),
         (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1"], "needs the same secret"),
     ]
-    for args, message in cases:
+    for args, message in cases[:1]:  # one through the real CLI process
         out = tmp_path / "run"
         result = run_cli("run", "--strategy", "ps", "--nproc-per-node", "3", *args,
                          "--out", str(out), timeout=60)  # fmt: skip
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr and "Traceback" not in result.stderr
         assert not (out / "logs").exists()
-
-
-def listeners(pids: list[int]) -> list[str]:
-    """Local addresses of the TCP sockets these processes listen on."""
-    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
-    return [line.split()[3] for line in lines if any(f"pid={p}," in line for p in pids)]
+    for args, message in cases[1:]:  # the rest through its main(), in this process
+        out = tmp_path / "run"
+        code = main(["run", "--strategy", "ps", "--nproc-per-node", "3", *args, "--out", str(out)])
+        stderr = capsys.readouterr().err
+        assert code == 2 and message in stderr, (args, stderr)
+        assert not (out / "logs").exists()
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")

@@ -123,7 +123,7 @@ def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
             "--log-sample-ids", "--dataset", "digits",
             "--num-samples", "600", "--batch-size", "8", "--epochs", "1",
             "--inject", "killnode:rank=2:step=8", "--timeout-s", "60",
-            "--rdzv-last-call-s", "10",
+            "--rdzv-last-call-s", "5", "--rdzv-keep-alive-s", "2",
             "--out", str(out)]  # fmt: skip
     nodes = start_local_nodes(3, args, "elastic-test")
     outputs = [p.communicate(timeout=240) for p in nodes]
@@ -149,3 +149,18 @@ def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
     assert (out / "checkpoints" / f"step-{resumed:08d}.dcp" / "__2_0.distcp").exists()  # 3 shards
     assert summary["test_accuracy"] is not None
     assert_no_orphans(out)
+
+
+def test_nodes_without_a_shared_run_directory_are_told_so_on_restart(tmp_path):
+    """Two nodes, each with its own --out: after a restart only node 0 finds the checkpoint.
+    Resuming would split the ranks between two states; every rank stops and says why."""
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1",
+            "--checkpoint-every", "2", "--max-steps", "8", "--inject", "kill:rank=1:step=5",
+            "--timeout-s", "60"]  # fmt: skip
+    outs = [tmp_path / f"node{i}" for i in range(2)]
+    nodes = start_local_nodes(2, args, "unshared", [["--out", str(o)] for o in outs])
+    outputs = [p.communicate(timeout=240) for p in nodes]
+    assert [p.returncode for p in nodes] == [1, 1], outputs
+    assert "same --out on a shared file system" in outputs[0][1], outputs[0][1]
+    assert "Traceback" not in outputs[0][1]
+    assert not (outs[0] / "summary.json").exists()

@@ -41,10 +41,12 @@ def run_example(argv: list[str], env: dict[str, str], tmp_path: Path) -> str:
 def test_bare_multinode_script(tmp_path):
     out = run_example(
         ["bash", str(EXAMPLES / "multinode.sh"), "--dry-run"],
-        {"HEAD_ADDR": "10.0.0.1", "NODE_RANK": "1", "NNODES": "2", "NETWORK_IFACE": "eth7"},
+        {"HEAD_ADDR": "10.0.0.1", "NODE_RANK": "1", "NNODES": "2", "NETWORK_IFACE": "eth7",
+         "OUT": "/shared/runs/job1"},
         tmp_path,
-    )
+    )  # fmt: skip
     assert "this is node 1, 2 processes per node; world size 4" in out
+    assert 'out = "/shared/runs/job1"' in out
     assert "this node's ranks: 2 to 3" in out
     assert "c10d at 10.0.0.1:29500, id digits-ddp; node 0 hosts it" in out
     assert "gloo interface: eth7" in out
@@ -56,7 +58,7 @@ def test_slurm_batch_script(tmp_path):
     out = run_example(["bash", str(EXAMPLES / "slurm.sbatch"), "--dry-run"], env, tmp_path)
     assert "this is node 0, 8 processes per node; world size 16" in out
     assert "c10d at gpu-a:29500, id slurm-4242; this node hosts it" in out
-    assert 'out = "runs/slurm-4242/node0"' in out
+    assert 'out = "runs/slurm-4242"' in out  # one directory for every node
     directives = [line for line in (EXAMPLES / "slurm.sbatch").read_text().splitlines()
                   if line.startswith("#SBATCH")]  # fmt: skip
     assert "#SBATCH --nodes=2" in directives and "#SBATCH --ntasks-per-node=1" in directives

@@ -149,10 +149,13 @@ class Supervisor(ProcessFleet):
             # network and noticed late) is timed from its last step.
             died = min(died, max((r["unix_time"] for r in mine), default=died) + 1.0)
             failed_step = max((r["step"] for r in mine), default=0) + 1
-            # The others' steps from the one it did not complete: the first is the first
-            # without it (a record is written once its step committed).
-            after = sorted((r for r in records if r["rank"] != rank and r["step"] >= failed_step),
+            before = max((r["participants"] for r in mine), default=self.world)
+            # The others' steps from the one it did not record: the first with fewer
+            # participants is the first without it (it may have died after committing a
+            # step, before writing its record).
+            later = sorted((r for r in records if r["rank"] != rank and r["step"] >= failed_step),
                            key=lambda r: r["unix_time"])  # fmt: skip
+            after = [r for r in later if r["participants"] < before] or later
             entry = {
                 "kind": "inplace",
                 "rank": rank,

@@ -1,0 +1,51 @@
+"""rendezvous.py: endpoints bound to one address, and a store call that never returns ends
+the node with a reason instead of a wait of many minutes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scaletrain.rendezvous import UNREACHABLE_EXIT_CODE, bound_store, interface_of, listen_socket
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux interface ioctl")
+def test_the_interface_of_an_address():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None  # TEST-NET-1: on no interface here
+    assert interface_of("not an address") is None
+
+
+def test_a_store_listens_on_the_address_it_is_given_alone():
+    store, listener = bound_store("127.0.0.1", 0, 10)
+    assert listener.getsockname()[0] == "127.0.0.1"
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_an_address_of_another_machine_is_refused_naming_bind():
+    with pytest.raises(ValueError, match="pass --bind with one of its addresses"):
+        listen_socket("192.0.2.77", 0)
+
+
+def test_a_store_call_that_never_returns_ends_the_node_with_a_reason():
+    code = """
+import time
+from scaletrain.rendezvous import _CallTimer, _guarded
+
+class Stuck:  # a backend whose store never answers, like torch's client on a cut link
+    name = "c10d"
+    def get_state(self):
+        time.sleep(60)
+
+_guarded(Stuck(), _CallTimer("10.0.0.1:29500", limit_s=1.0)).get_state()
+"""
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=30)  # fmt: skip
+    assert result.returncode == UNREACHABLE_EXIT_CODE
+    assert time.monotonic() - started < 15
+    assert "node 0's rendezvous store at 10.0.0.1:29500 has not answered" in result.stderr
