@@ -34,6 +34,19 @@ def listeners(pids: list[int]) -> list[str]:
     return [line.split()[3] for line in lines if any(f"pid={p}," in line for p in pids)]
 
 
+def listeners_while_running(proc: subprocess.Popen[str], out: Path) -> set[str]:
+    """Every address the launcher ``proc`` and the processes of run ``out`` listened on,
+    polled until it exits."""
+    import time
+
+    seen: set[str] = set()
+    deadline = time.monotonic() + 200
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen |= set(listeners([proc.pid, *processes_mentioning(str(out))]))
+        time.sleep(0.3)
+    return seen
+
+
 def processes_mentioning(text: str) -> list[int]:
     """PIDs whose command line contains ``text`` (e.g. a run directory)."""
     pids = []

@@ -7,11 +7,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.conftest import REPO, listeners, processes_mentioning
+from tests.conftest import REPO, listeners_while_running
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
@@ -21,11 +20,7 @@ def test_a_local_ddp_run_listens_on_loopback_only(tmp_path):
             "--max-steps", "8", "--inject", "slow:rank=0:factor=10", "--out", str(out)]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    seen: set[str] = set()
-    deadline = time.monotonic() + 200
-    while proc.poll() is None and time.monotonic() < deadline:
-        seen |= set(listeners([proc.pid, *processes_mentioning(str(out))]))
-        time.sleep(0.3)
+    seen = listeners_while_running(proc, out)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert len(seen) >= 2, seen  # the rendezvous store and rank 0's store at least

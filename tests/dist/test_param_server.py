@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from scaletrain.cli import main
-from tests.conftest import REPO, assert_no_orphans, listeners, processes_mentioning, run_cli
+from tests.conftest import REPO, assert_no_orphans, listeners_while_running, run_cli
 
 DIGITS = 1437  # training samples of the built-in digits set
 PS = ["--strategy", "ps", "--nproc-per-node", "5", "--num-servers", "2"]
@@ -171,11 +171,7 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
             "--max-steps", "15", *JOB, "--inject", "slow:rank=0:factor=30", "--out", str(out)]
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seen: set[str] = set()
-    deadline = time.monotonic() + 200
-    while proc.poll() is None and time.monotonic() < deadline:
-        seen |= set(listeners([proc.pid, *processes_mentioning(str(out))]))
-        time.sleep(0.3)
+    seen = listeners_while_running(proc, out)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert len(seen) > 5, seen  # the store and both ends of links were seen

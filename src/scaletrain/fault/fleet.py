@@ -20,7 +20,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from scaletrain.config import RunConfig
 
 
 def describe_exit(code: int) -> str:
@@ -126,3 +129,19 @@ class ProcessFleet:
 
     def kind(self, rank: int) -> str:
         return "death"
+
+
+class JobFleet(ProcessFleet):
+    """This node's share of a job of --nnodes N x --nproc-per-node P processes: node i runs
+    the global ranks i*P .. i*P+P-1; node 0 (``is_head``) hosts what the job shares."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+        from scaletrain.config import parse_nnodes
+
+        self.nnodes, nproc = parse_nnodes(cfg.launch.nnodes)[0], cfg.launch.nproc_per_node
+        first = cfg.launch.node_rank * nproc
+        super().__init__(
+            run_dir, self.nnodes * nproc, cfg.launch.max_restarts, range(first, first + nproc)
+        )
+        self.cfg = cfg
+        self.is_head = cfg.launch.node_rank == 0

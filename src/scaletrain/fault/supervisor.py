@@ -31,7 +31,7 @@ from typing import Any
 
 from scaletrain.config import RunConfig
 from scaletrain.fault.checkpoint import atomic_write_json
-from scaletrain.fault.fleet import ProcessFleet
+from scaletrain.fault.fleet import JobFleet
 from scaletrain.fault.inplace import ADDR_ENV, LIGHTHOUSE_ENV, read_finals, url_host
 from scaletrain.metrics.logs import tail
 from scaletrain.metrics.summary import RankTotals, build_summary
@@ -53,23 +53,15 @@ def route_address(host: str, port: int) -> str:
         return str(probe.getsockname()[0])
 
 
-class Supervisor(ProcessFleet):
+class Supervisor(JobFleet):
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         # The lighthouse logs every quorum at INFO from Rust, into the launcher's terminal.
         os.environ.setdefault("RUST_LOG", "warn")
         from torchft.coordination import LighthouseServer
 
-        from scaletrain.config import parse_nnodes
-
-        nnodes, nproc = parse_nnodes(cfg.launch.nnodes)[0], cfg.launch.nproc_per_node
-        first = cfg.launch.node_rank * nproc
-        super().__init__(
-            run_dir, nnodes * nproc, cfg.launch.max_restarts, range(first, first + nproc)
-        )
-        self.cfg = cfg
-        self.is_head = cfg.launch.node_rank == 0
+        super().__init__(cfg, run_dir)
         self.lighthouse = None
-        if nnodes == 1:
+        if self.nnodes == 1:
             host, port, self.addr = "127.0.0.1", 0, "127.0.0.1"
         else:
             host, _, port_text = cfg.launch.rdzv_endpoint.rpartition(":")

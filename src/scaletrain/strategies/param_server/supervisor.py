@@ -26,7 +26,7 @@ from typing import Any
 
 from scaletrain.config import RunConfig
 from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
-from scaletrain.fault.fleet import ProcessFleet
+from scaletrain.fault.fleet import JobFleet
 from scaletrain.metrics.logs import tail
 from scaletrain.metrics.summary import RankTotals, build_summary
 from scaletrain.strategies.param_server.admission import TOKEN_ENV, launcher_token
@@ -41,7 +41,7 @@ class PSFailed(RuntimeError):
     pass
 
 
-class PSFleet(ProcessFleet):
+class PSFleet(JobFleet):
     """This node's share of a parameter-server job. Across nodes (``--nnodes N``) the ranks
     are laid out as on one: workers first, the K servers last, node i running ranks
     ``i*nproc .. i*nproc+nproc-1``; node 0 hosts the store at --rdzv-endpoint (on --bind, by
@@ -55,21 +55,14 @@ class PSFleet(ProcessFleet):
 
         from torch.distributed import TCPStore
 
-        from scaletrain.config import parse_nnodes
         from scaletrain.rendezvous import bound_store
         from scaletrain.runtime import loopback_store
 
-        nnodes, nproc = parse_nnodes(cfg.launch.nnodes)[0], cfg.launch.nproc_per_node
-        first = cfg.launch.node_rank * nproc
-        super().__init__(
-            run_dir, nnodes * nproc, cfg.launch.max_restarts, range(first, first + nproc)
-        )
-        self.cfg = cfg
-        self.is_head = cfg.launch.node_rank == 0
+        super().__init__(cfg, run_dir)
         self.num_servers = cfg.ps.num_servers
         self.num_workers = self.world - self.num_servers
         self.listener = None
-        if nnodes == 1:  # the processes are all local: the store listens on loopback only
+        if self.nnodes == 1:  # the processes are all local: the store listens on loopback only
             self.store, self.listener = loopback_store(cfg.launch.timeout_s)
             self.address = f"127.0.0.1:{self.store.port}"
         else:
