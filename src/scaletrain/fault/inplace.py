@@ -71,7 +71,9 @@ def bound_checkpoint_transport(addr: str, timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint server (healing copies the state through it), listening on
     ``addr`` and advertising it. torchft's own listens on every interface ([::]) and
     advertises socket.gethostname(), which need not resolve to this host elsewhere (it does
-    not inside a network namespace)."""
+    not inside a network namespace). This and manager_server_bound_to reach into torchft
+    0.2.0's internals (constraints/cpu.txt pins it); tests/e2e/test_netns.py checks with ss
+    that nothing listens elsewhere, so a torchft that changes them fails there, loudly."""
     import socket
     import threading
     from http.server import ThreadingHTTPServer
