@@ -10,10 +10,19 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import REPO, assert_no_orphans, run_cli, start_local_nodes
+from tests.conftest import (
+    REPO,
+    assert_no_orphans,
+    listeners_while_running,
+    run_cli,
+    start_local_nodes,
+)
 
 
 def summary_of(out):
@@ -68,12 +77,21 @@ def test_per_rank_random_streams_continue_exactly_after_a_restart(tmp_path):
 
 
 def test_hung_worker_is_detected_named_and_recovered(tmp_path, clean_hash):
-    """Rank 1 stops before step 5 without dying; the watchdog names it, the group restarts."""
+    """Rank 1 stops before step 5 without dying; the watchdog names it, the group restarts.
+    Meanwhile every listening socket of the run (the launcher's rendezvous store, rank 0's
+    store, gloo's) is on 127.0.0.1: torch's TCPStore alone would listen on every interface."""
     hung = tmp_path / "hung"
-    result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "1",
-                     "--hang-timeout-s", "5", "--inject", "hang:rank=1:step=5",
-                     "--out", str(hung))  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain", "run", *COMMON, "--checkpoint-every", "3",
+         "--max-restarts", "1", "--hang-timeout-s", "5", "--inject", "hang:rank=1:step=5",
+         "--out", str(hung)],
+        cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    seen = listeners_while_running(proc, hung) if shutil.which("ss") else {"127.0.0.1:0"}
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert len(seen) >= 2 and all(a.startswith("127.0.0.1:") for a in seen), seen
     summary = summary_of(hung)
     assert summary["params_sha256"] == clean_hash
     [recovery] = summary["recoveries"]
@@ -119,7 +137,7 @@ def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
     epoch is trained once."""
     out = tmp_path / "run"  # one run directory on a file system all "nodes" share
     args = ["--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3",
-            "--strategy", "fsdp", "--checkpoint-every", "1", "--keep-checkpoints", "100",
+            "--strategy", "fsdp", "--checkpoint-every", "2", "--keep-checkpoints", "100",
             "--log-sample-ids", "--dataset", "digits",
             "--num-samples", "600", "--batch-size", "8", "--epochs", "1",
             "--inject", "killnode:rank=2:step=8", "--timeout-s", "60",
