@@ -168,34 +168,44 @@ def test_three_hosts_survive_a_dead_host_then_a_cut_cable(tmp_path):
 
 
 @needs_lab
-def test_parameter_server_across_three_hosts(tmp_path):
+def test_parameter_server_across_three_hosts_survives_a_cut_worker_host(tmp_path):
     """--strategy ps on three hosts, two processes each: hosts 0 and 1 run the four workers,
     host 2 both servers (the world's last ranks). The store is node 0's, on its address; the
-    links cross the bridge; the job shares one secret."""
+    job shares one secret. Mid-run host 1's cable is cut: the bsp barrier drops its workers
+    after --barrier-timeout-s, the others train on, node 0 counts host 1's ranks as lost
+    once it has been silent for --timeout-s (it waited for them for good before), and
+    host 1 gives up on the job by itself."""
     out = tmp_path / "run"
     args = ["--strategy", "ps", "--num-servers", "2", "--consistency", "bsp", "--lr", "0.05",
             "--epochs", "8", "--batch-size", "32", "--seed", "1", "--num-threads", "1",
-            "--timeout-s", "60"]  # fmt: skip
+            "--timeout-s", "10", "--barrier-timeout-s", "3"]  # fmt: skip
     with NetworkLab(3) as lab:
         made = {lab.switch, *(h.netns for h in lab.hosts)}
         lab.wait_ready()
         secret = {"SCALETRAIN_JOIN_TOKEN": "one secret per job"}
         procs = lab.launch_scaletrain(args, out, nproc_per_node=2, shared_out=True, env=secret)
-        deadline = time.monotonic() + 120
         roles = {}
-        while len(roles) < 6 and time.monotonic() < deadline:
+        while len(roles) < 6:
             for host in range(3):
                 for env in _worker_envs(lab, host):
                     roles[int(env["RANK"])] = (host, env["SCALETRAIN_PS_ROLE"])
+            assert procs[0].poll() is None, procs[0].communicate()
             time.sleep(0.1)
+        _wait_for(lambda: any(r["step"] >= 20 for r in _records(out)), procs)
+        lab.link_down(1)
         outputs = [p.communicate(timeout=240) for p in procs]
-        assert [p.returncode for p in procs] == [0, 0, 0], outputs
+        assert procs[0].returncode == 0 and procs[2].returncode == 0, outputs
+        assert procs[1].returncode == 1 and "lost node 0's store" in outputs[1][1], outputs[1]
     assert not made & namespaces()  # the lab is gone, and everything in it
     assert roles == {0: (0, "worker"), 1: (0, "worker"), 2: (1, "worker"), 3: (1, "worker"),
                      4: (2, "server"), 5: (2, "server")}  # fmt: skip
     summary = json.loads((out / "summary.json").read_text())
     assert summary["test_accuracy"] >= 0.95 and summary["world_size"] == 6
-    assert summary["ps"]["num_workers"] == 4 and summary["ps"]["server_updates"] == [96, 96]
+    assert summary["ps"]["num_workers"] == 4
+    lost = [r for r in summary["recoveries"] if "went silent" in r["cause"]]
+    assert sorted(r["rank"] for r in lost) == [2, 3], summary["recoveries"]
+    dropped = {r["rank"] for r in summary["recoveries"] if r["kind"] == "ps-drop"}
+    assert dropped == {2, 3}, summary["recoveries"]  # by the barrier, before node 0 gave up
 
 
 @needs_lab

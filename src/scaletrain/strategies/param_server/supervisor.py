@@ -19,6 +19,7 @@ restores (logs/ps_events.jsonl) become ``recoveries``.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -79,6 +80,64 @@ class PSFleet(JobFleet):
         self.token = launcher_token(cfg.launch.join_token_file)
         self._remote: dict[int, str] = {}  # how ranks of other nodes ended
         self._remote_read = 0.0
+        # Across nodes, every node but 0 beats in the store once a second (its own thread
+        # and connection: a store call on a cut link can block for good). Node 0 counts the
+        # ranks of a node silent for --timeout-s as failed, and that node gives up on the job.
+        self.silence_s = cfg.launch.timeout_s
+        self._beats: dict[int, tuple[str, float]] = {}  # node -> (last beat, seen at)
+        self.node_losses: list[dict[str, Any]] = []
+        self._pending: dict[int, str] = {}  # ends to publish (by the beat thread)
+        self._beat_ok = time.monotonic()
+        self.cut_off = False
+        if self.nnodes > 1 and not self.is_head:
+            threading.Thread(target=self._beat, args=(host, int(port)), daemon=True,
+                             name="scaletrain-ps-beat").start()  # fmt: skip
+
+    def _beat(self, host: str, port: int) -> None:
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        store = None
+        while True:
+            try:
+                if store is None:
+                    store = TCPStore(host, port, is_master=False,
+                                     timeout=timedelta(seconds=self.silence_s))  # fmt: skip
+                for rank, how in list(self._pending.items()):
+                    store.set(f"ps/end/{rank}", how)
+                    del self._pending[rank]
+                # add() waits for node 0's answer; set() alone returns once the bytes are in
+                # the local socket buffer, also when the cable is cut.
+                store.add(f"ps/alive/{self.cfg.launch.node_rank}", 1)
+                self._beat_ok = time.monotonic()
+            except Exception:  # node 0 unreachable: keep trying; keep_running gives up
+                store = None
+            time.sleep(1.0)
+
+    def node_ranks(self, node: int) -> range:
+        return range(node * len(self.local), (node + 1) * len(self.local))
+
+    def _check_silent_nodes(self, now: float) -> None:
+        """Node 0: the ranks of a node whose beat has not changed for silence_s failed."""
+        for node in range(1, self.nnodes):
+            key = f"ps/alive/{node}"
+            beat = self.store.get(key).decode() if self.store.check([key]) else ""
+            seen = self._beats.get(node)
+            if seen is None or seen[0] != beat:
+                self._beats[node] = (beat, now)
+            elif now - seen[1] > self.silence_s and node not in {d["node"] for d in
+                                                                 self.node_losses}:  # fmt: skip
+                for rank in self.node_ranks(node):
+                    if rank in self._remote:
+                        continue
+                    self._remote[rank] = "failed"
+                    self.node_losses.append({
+                        "rank": rank, "node": node, "attempt": 0, "restarted": False,
+                        "died_at": time.time() - (now - seen[1]),
+                        "cause": f"its node {node} went silent for {self.silence_s:g} s "
+                                 "(down, or cut off)",
+                    })  # fmt: skip
 
     def is_worker(self, rank: int) -> bool:
         return rank < self.num_workers
@@ -95,8 +154,8 @@ class PSFleet(JobFleet):
         return "ps-worker" if self.is_worker(rank) else "ps-server"
 
     def ended(self, rank: int, how: str) -> None:
-        if len(self.local) < self.world:
-            self.store.set(f"ps/end/{rank}", how)
+        if self.nnodes > 1 and not self.is_head:
+            self._pending[rank] = how  # node 0 reads its own ranks' ends directly
 
     def ends(self) -> tuple[set[int], set[int]]:
         """(finished, failed for good): this node's ranks, and the others' as published."""
@@ -106,13 +165,19 @@ class PSFleet(JobFleet):
             for rank in set(range(self.world)) - set(self.local) - set(self._remote):
                 if self.store.check([f"ps/end/{rank}"]):
                     self._remote[rank] = self.store.get(f"ps/end/{rank}").decode()
+            self._check_silent_nodes(now)
         finished = self.finished | {r for r, how in self._remote.items() if how == "finished"}
         failed = self.failed | {r for r, how in self._remote.items() if how == "failed"}
         return finished, failed
 
     def keep_running(self) -> bool:
         if not self.is_head:  # node 0 decides when the job ends; here, run what is ours
+            if self.nnodes > 1 and time.monotonic() - self._beat_ok > self.silence_s:
+                self.cut_off = True
+                return False
             servers = set(range(self.num_workers, self.world))
+            if self._pending and not self.procs:
+                return True  # until the beat thread has published how they ended
             return bool(self.procs) and not servers & self.failed
         finished, failed = self.ends()
         workers = set(range(self.num_workers))
@@ -132,6 +197,12 @@ class PSFleet(JobFleet):
     def check(self) -> None:
         """After run(): raise PSFailed unless the run completed (on node 0: the whole job;
         on another node: its own servers)."""
+        if self.cut_off:
+            raise PSFailed(
+                f"this node lost node 0's store at {self.address}: no answer for "
+                f"{self.silence_s:g} s (its network is down, or node 0 is gone); its processes "
+                "were stopped"
+            )
         finished, failed = self.ends() if self.is_head else (self.finished, self.failed)
         servers = set(range(self.num_workers, self.world))
         workers = set(range(self.num_workers))
@@ -172,7 +243,7 @@ def recoveries(fleet: PSFleet) -> list[dict[str, Any]]:
     incidents = _read_jsonl(fleet.run_dir / "logs" / "incidents.jsonl")
     kinds = ("ps-worker", "ps-server")
     remote = [i for i in incidents if i["kind"] in kinds and i["rank"] not in fleet.local]
-    for death in [*fleet.deaths, *remote]:
+    for death in [*fleet.deaths, *remote, *fleet.node_losses]:
         rank, died = death["rank"], death["died_at"]
         entry: dict[str, Any] = {
             "kind": fleet.kind(rank),
