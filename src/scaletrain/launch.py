@@ -221,6 +221,8 @@ def set_launch_env(cfg: RunConfig, local_only: bool) -> None:
         iface = gloo_interface(cfg)
         if iface:
             os.environ["GLOO_SOCKET_IFNAME"] = iface
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def gloo_interface(cfg: RunConfig) -> str | None:
@@ -230,8 +232,6 @@ def gloo_interface(cfg: RunConfig) -> str | None:
     addr = cfg.launch.bind if cfg.launch.bind not in ("", "0.0.0.0", "::") else ""
     addr = addr or cfg.launch.local_addr
     return interface_of(addr) if addr and sys.platform.startswith("linux") else None
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 class _DeathRecorder(logging.Handler):

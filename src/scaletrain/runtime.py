@@ -86,8 +86,7 @@ def loopback_store(timeout_s: float = 300.0) -> tuple[dist.TCPStore, socket.sock
     127.0.0.1, a free port). Keep the socket referenced as long as the store."""
     from scaletrain.rendezvous import bound_store
 
-    store, listener = bound_store("127.0.0.1", 0, timeout_s)
-    return store, listener  # type: ignore[no-any-return]
+    return bound_store("127.0.0.1", 0, timeout_s)
 
 
 _STORE_LISTENERS: list[socket.socket] = []
