@@ -126,10 +126,9 @@ class PSFleet(JobFleet):
             seen = self._beats.get(node)
             if seen is None or seen[0] != beat:
                 self._beats[node] = (beat, now)
-            elif now - seen[1] > self.silence_s and node not in {d["node"] for d in
-                                                                 self.node_losses}:  # fmt: skip
+            elif now - seen[1] > self.silence_s:
                 for rank in self.node_ranks(node):
-                    if rank in self._remote:
+                    if rank in self._remote:  # it ended, or was counted as lost already
                         continue
                     self._remote[rank] = "failed"
                     self.node_losses.append({
