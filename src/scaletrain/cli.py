@@ -2,7 +2,8 @@
 
 Every RunConfig leaf is a flag of the same name (train.batch_size -> --batch-size); flags
 override --config FILE, which overrides the defaults. Exit codes: 0 success, 1 a worker
-failed, 2 bad input (one paragraph on stderr, nothing started), 130 interrupted.
+failed (or an internal failure, said so), 2 bad input (one paragraph on stderr, nothing
+started), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ def fail(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from scaletrain.launch import LaunchFailed, WorkerFailed
+    from scaletrain.launch import InternalFailure, LaunchFailed, WorkerFailed
 
     try:
         commands = {"shard": cmd_shard, "report": cmd_report, "bench": cmd_bench,
@@ -275,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except LaunchFailed as e:
         fail(f"launch failed: {e}")
+        return 1
+    except InternalFailure as e:
+        fail(f"internal failure: {e}")
         return 1
     except KeyboardInterrupt:
         fail("interrupted; workers were stopped")

@@ -48,6 +48,11 @@ class LaunchFailed(RuntimeError):
     """The agent could not start or keep the job: rendezvous timeout, a signal, ..."""
 
 
+class InternalFailure(RuntimeError):
+    """scaletrain (or torch under it) failed after the input was accepted: never the user's
+    mistake, so never exit status 2 (a JSONDecodeError is a ValueError, and once was)."""
+
+
 def check_names(cfg: RunConfig) -> None:
     """Registry names are checked here, before any process starts."""
     from scaletrain.data.datasets import DATASETS
@@ -162,8 +167,9 @@ def check_port_free(host: str, port: int) -> None:
 def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
-    from scaletrain.metrics.logs import RunLogsSpecs
+    from scaletrain.metrics.logs import RunLogsSpecs, tolerate_unreadable_error_files
 
+    tolerate_unreadable_error_files()
     min_nodes, max_nodes = parse_nnodes(cfg.launch.nnodes)
     is_host = cfg.launch.node_rank == 0
     endpoint = cfg.launch.rdzv_endpoint
@@ -400,6 +406,12 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
         ) from None
     except SignalException as e:
         raise LaunchFailed(f"stopped by {e.sigval.name}; the workers were stopped") from None
+    except Exception as e:
+        raise InternalFailure(
+            f"the elastic agent failed: {type(e).__name__}: {e}. The workers were stopped; "
+            f"the run directory {run_dir} keeps its checkpoints. This is a bug in scaletrain "
+            "or torch, not in your input: please report it with DIR/logs."
+        ) from e
     summary_path = run_dir / "summary.json"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["run_dir"] = str(run_dir)

@@ -3,7 +3,7 @@
 The elastic agent starts one per local rank with RANK, WORLD_SIZE, ... in the environment.
 The worker reads the resolved DIR/config.toml, sends its output to DIR/logs/rank<R>.log,
 joins the process group, builds the task and trains. ``@record`` writes any exception to the
-error file the agent reads, so the launcher can tell the user which rank failed and why.
+error file the agent reads (atomically: metrics/logs.AtomicErrorHandler), so the launcher can tell the user which rank failed and why.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from scaletrain.config import load_toml
+from scaletrain.metrics.logs import AtomicErrorHandler
 from scaletrain.runtime import apply_determinism, die_with_parent, init_distributed, redirect_output
 
 # Objects that hold process groups (DDP's Reducer) stay referenced until os._exit: see exit_now.
 _KEEP_ALIVE: list[object] = []
 
 
-@record
 def main(argv: list[str]) -> None:
     run_dir = Path(argv[0])
     rank = int(os.environ["RANK"])
@@ -89,7 +89,7 @@ def exit_now(code: int) -> None:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
+        record(main, error_handler=AtomicErrorHandler())(sys.argv[1:])
     except BaseException:
         # @record has written the error file for the agent; the traceback goes to the rank log.
         traceback.print_exc()

@@ -59,6 +59,20 @@ def test_killed_worker_restarts_from_checkpoint_with_identical_weights(tmp_path,
     assert_no_orphans(killed)
 
 
+def test_an_empty_error_file_is_a_death_like_any_other_and_the_job_restarts(tmp_path):
+    """torch's agent raised on an empty error file (a survivor SIGTERMed while writing it)
+    and the launcher once reported that as bad input (exit 2): now it is a restart."""
+    task = ["--task", str(REPO / "tests" / "dist" / "tasks" / "torn_error_file_task.py")
+            + ":build_task"]  # fmt: skip
+    out = tmp_path / "run"
+    result = run_cli("run", *COMMON, *task, "--max-steps", "4", "--max-restarts", "1",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [recovery] = summary_of(out)["recoveries"]
+    assert recovery["cause"] == "death" and recovery["rank"] == 0
+    assert_no_orphans(out)
+
+
 def test_per_rank_random_streams_continue_exactly_after_a_restart(tmp_path):
     """Dropout masks differ between ranks; each rank resumes its own RNG stream, so the
     restarted run ends with the uninterrupted run's weights."""

@@ -226,3 +226,32 @@ def test_sharded_checkpoint_dir_is_published_hashed_and_checked(tmp_path):
     (tmp_path / ".step-00000004.dcp.attempt0.tmp").mkdir()  # a save cut short by a crash
     remove_unfinished(tmp_path)
     assert not list(tmp_path.glob(".step-*.tmp"))
+
+
+def test_error_files_appear_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The agent reads a worker's error file as soon as the worker is gone: a worker killed
+    while writing must leave no file rather than a torn one."""
+    import json
+
+    from scaletrain.metrics.logs import AtomicErrorHandler
+
+    path = tmp_path / "rank0.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    handler = AtomicErrorHandler()
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as e:
+        handler.record_exception(e)
+    assert json.loads(path.read_text())["message"]["message"] == "RuntimeError: boom"
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0.json"]
+
+    path.unlink()
+
+    def torn_dump(obj, f):  # the process dies halfway through the write
+        f.write('{"message": ')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("scaletrain.metrics.logs.json.dump", torn_dump)
+    with pytest.raises(KeyboardInterrupt):
+        handler.record_exception(RuntimeError("boom"))
+    assert not path.exists()

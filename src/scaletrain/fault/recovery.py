@@ -172,22 +172,27 @@ def resume(
     attempt: int,
     metrics: Path,
 ) -> Progress | None:
-    """Load the newest valid checkpoint into ``strategy`` and ``sampler``; None if there is
-    none. The restart is recorded in the returned progress's recoveries."""
+    """Load the newest valid checkpoint into ``strategy`` and ``sampler``. None on a first
+    attempt without one; a restarted attempt without one starts from step 0, and either way
+    the restart is recorded in the returned progress's recoveries."""
     state, skipped = load_latest(checkpoints)
     for note in skipped:
         log.warning("skipping damaged checkpoint %s", note)
-    if state is None:
+    if state is None and attempt == 0:
         return None
-    if state["config_hash"] != config_hash:
+    if state is not None and state["config_hash"] != config_hash:
         raise ValueError(
             f"the checkpoints in {checkpoints} were written by another configuration "
             f"(config hash {state['config_hash']}, this run {config_hash})"
         )
-    strategy.load_state_dict(state["strategy"])
-    sampler.load_state_dict(state["sampler"])
-    set_rng_state(own_rng_state(checkpoints, progress_step(state), sampler.rank, state["rng"][0]))
-    progress = Progress(**state["progress"])
+    if state is not None:
+        strategy.load_state_dict(state["strategy"])
+        sampler.load_state_dict(state["sampler"])
+        rng = own_rng_state(checkpoints, progress_step(state), sampler.rank, state["rng"][0])
+        set_rng_state(rng)
+        progress = Progress(**state["progress"])
+    else:  # died before the first checkpoint: everything is redone from the start
+        progress = Progress()
     records = read_jsonl(metrics) if metrics.exists() else []
     reached = max((r["step"] for r in records), default=0)
     progress.recoveries.append(

@@ -4,17 +4,73 @@ Workers redirect their own stdout/stderr into DIR/logs/rank<R>.log (runtime.redi
 so one file per rank holds Python and C++ output of every attempt. torch's DefaultLogsSpecs
 would instead nest files under <run_id>/attempt_<n>/<local_rank>/ and truncate per attempt;
 ``RunLogsSpecs`` only places the error files the agent reads (DIR/logs/errors/rank<R>.json).
+
+Error files and torch's agent race: when one worker dies the agent SIGTERMs the others at
+once, and a survivor may be inside torch's ``ErrorHandler.record_exception`` (open "w", then
+write) at that moment. The agent then finds an empty file, ``json.load`` raises inside its
+monitor loop, and the whole job ended with "Expecting value: line 1 column 1" instead of a
+restart. Two fixes, each sufficient for its half: workers write the file atomically
+(``AtomicErrorHandler``: whole or absent), and the launcher reads an unreadable file as no
+file at all (``tolerate_unreadable_error_files``), whatever wrote it.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
+import time
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
+
+log = logging.getLogger("scaletrain.logs")
+
+
+class AtomicErrorHandler(ErrorHandler):
+    """torch's handler, except that the error file appears whole (temporary file, then rename)
+    or not at all, even when the process is killed while writing it."""
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return
+        data = {
+            "message": {
+                "message": f"{type(e).__name__}: {e}",
+                "extraInfo": {
+                    "py_callstack": traceback.format_exc(),
+                    "timestamp": str(int(time.time())),
+                },
+            }
+        }
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+
+
+_torch_post_init = ProcessFailure.__post_init__
+
+
+def _tolerant_post_init(self: ProcessFailure) -> None:
+    try:
+        _torch_post_init(self)
+    except Exception as e:  # torch re-raises whatever json.load raised
+        log.warning("unreadable error file %s (%s): read as none", self.error_file, e)
+        self._set_no_reply_file()
+        self.message = f"exit code {self.exitcode}; its error file was unreadable"
+
+
+def tolerate_unreadable_error_files() -> None:
+    """Make torch's agent read an empty or torn error file as a missing one (the failure is
+    still a failure; only its message is lost), so the job restarts as for any death."""
+    ProcessFailure.__post_init__ = _tolerant_post_init  # type: ignore[method-assign]
 
 
 class RunLogsSpecs(LogsSpecs):
