@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def in_thread(fn, *args):
 
 def start_server(
     tmp_path, consistency: str = "bsp", staleness: int = -1, num_train: int = 8
-) -> TCPStore:
+) -> tuple[TCPStore, ShardServer]:
     """A server 0 of 2 workers over 2 parameters (both 1.0, SGD lr 1) in a thread."""
     (tmp_path / "logs").mkdir()
     cfg = from_dict({
@@ -94,7 +95,19 @@ def start_server(
     )  # fmt: skip
     threading.Thread(target=server.serve, daemon=True).start()
     store.wait(["ps/server0/incarnation"])
-    return store
+    return store, server
+
+
+def wait_for(server: ShardServer, predicate) -> None:
+    """Block until the server's state satisfies ``predicate``, looked at under its lock (not
+    every change notifies its condition); fail after 30 s."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with server.cond:
+            if predicate(server):
+                return
+        time.sleep(0.01)
+    raise AssertionError("the server never reached the awaited state")
 
 
 def events(tmp_path):
@@ -103,7 +116,7 @@ def events(tmp_path):
 
 
 def test_a_joiner_without_the_token_is_refused_and_gets_no_link(tmp_path):
-    store = start_server(tmp_path, "asp")
+    store, _ = start_server(tmp_path, "asp")
     with pytest.raises(JoinRefused, match="refused: wrong join token"):
         Worker(store.port, 1, token="a-guess")
     [refused] = [e for e in events(tmp_path) if e["event"] == "join_refused"]
@@ -128,7 +141,7 @@ def test_a_joiner_without_the_token_is_refused_and_gets_no_link(tmp_path):
 
 
 def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
-    store = start_server(tmp_path)
+    store, server = start_server(tmp_path)
     a, b = Worker(store.port, 0), Worker(store.port, 1)
     # Server 0 deals the first step once both said hello.
     ta, hello_a = in_thread(a.hello)
@@ -150,8 +163,11 @@ def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
     head, _, _ = b.push(1, [100.0, 100.0], BATCH)
     assert int(head[tp.STATUS]) == tp.Status.DROPPED and int(head[tp.VERSION]) == 1
 
-    # b joins again: it waits for the next step, which a's push of step 2 closes.
+    # b joins again: it waits for the next step, which a's push of step 2 closes. a pushes
+    # only once the server holds b's hello: pushed first, step 2 would close without b and
+    # step 3 be dealt to a alone (b would then wait for a step 4 that never comes).
     tb, again = in_thread(b.hello)
+    wait_for(server, lambda s: 1 in s.live)
     head, params, next_a = a.push(2, [0.0, 1.0], BATCH)
     tb.join(30)
     head_b, params_b, lease_b3 = again["v"]
@@ -163,19 +179,19 @@ def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
 
 
 def test_ssp_holds_a_worker_that_is_too_far_ahead_until_the_slowest_catches_up(tmp_path):
-    store = start_server(tmp_path, "ssp", staleness=1, num_train=64)
+    store, server = start_server(tmp_path, "ssp", staleness=1, num_train=64)
     a, b = Worker(store.port, 0), Worker(store.port, 1)
     _, _, lease_a = a.hello()
     _, _, lease_b = b.hello()
     head, _, lease_a = a.push(1, [1.0, 1.0], BATCH)  # a: 1 step done, b: 0; within 1
     assert int(head[tp.STATUS]) == tp.Status.OK and int(head[tp.STALENESS]) == 0
     held, second = in_thread(a.push, 2, [1.0, 1.0], BATCH)  # a would be 2 ahead: held
-    held.join(1.0)
-    assert held.is_alive(), "a ran 2 steps ahead of b under --staleness 1"
+    wait_for(server, lambda s: s.clocks.get(0) == 2)  # a's second update is applied
     head_b, _, _ = b.push(1, [1.0, 1.0], BATCH)  # b catches up to 1: a may go on
     assert int(head_b[tp.STALENESS]) == 2  # b's gradient was computed before a's two updates
     held.join(30)
     head, params, _ = second["v"]
-    assert int(head[tp.VERSION]) == 3 and int(head[tp.HELD_US]) >= 0.5e6
+    # a's reply carries version 3: it was held until b's update, not answered at version 2.
+    assert int(head[tp.VERSION]) == 3 and int(head[tp.HELD_US]) > 0
     assert params.tolist() == [-2.0, -2.0]  # 1 - 3 updates of lr 1 x gradient 1
     store.set("ps/finish", "1")
