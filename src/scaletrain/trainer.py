@@ -34,6 +34,7 @@ from scaletrain.fault.checkpoint import (
     remove_unfinished,
     rng_path,
     save_checkpoint,
+    save_rank_state,
     snapshot,
 )
 from scaletrain.fault.inject import parse_inject
@@ -131,6 +132,12 @@ class Trainer:
                 "(NFS, Lustre, a ReadWriteMany volume) to resume across nodes"
             )
 
+    def _all_agree(self, ok: bool) -> bool:
+        flag = torch.tensor([0 if ok else 1], device=self.ctx.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag) == 0
+
     def fit(self) -> dict[str, Any] | None:
         self.check_same_checkpoints()
         resumed = resume(
@@ -140,6 +147,7 @@ class Trainer:
             config_hash=self.cfg.hash(),
             attempt=self.ctx.restart_count,
             metrics=self.run_dir / "metrics.jsonl",
+            all_agree=self._all_agree,
         )
         self.progress = resumed or self.progress
         self.resuming = resumed is not None
@@ -268,6 +276,7 @@ class Trainer:
         started = time.perf_counter()
         directory, keep = self.run_dir / "checkpoints", self.cfg.fault.keep_checkpoints
         rng = rng_state()
+        own = {"rng": rng, "strategy": self.strategy.rank_state_dict()}
         shards = None
         if collective:  # every rank writes its shards (synchronously: it is a collective)
             name = f"step-{step:08d}.dcp"
@@ -282,10 +291,13 @@ class Trainer:
                 strategy_state={"sharded": True} if collective else None,
             )  # fmt: skip
         if self.checkpointer is not None:
-            rng, state = snapshot(rng), snapshot(state)
+            own, state = snapshot(own), snapshot(state)
 
         def write() -> None:
-            atomic_torch_save(rng_path(directory, step, rank), rng)
+            own_path = rng_path(directory, step, rank)
+            save_rank_state(own_path, own)
+            for fault in self.faults:
+                fault.after_rank_state(step, rank, own_path, self.ctx.restart_count)
             if main and state is not None:
                 path = save_checkpoint(directory, step, state, keep, shards=shards)
                 prune_rng_files(directory)

@@ -2,8 +2,9 @@
 
 The elastic agent starts one per local rank with RANK, WORLD_SIZE, ... in the environment.
 The worker reads the resolved DIR/config.toml, sends its output to DIR/logs/rank<R>.log,
-joins the process group, builds the task and trains. ``@record`` writes any exception to the
-error file the agent reads (atomically: metrics/logs.AtomicErrorHandler), so the launcher can tell the user which rank failed and why.
+joins the process group, builds the task and trains. ``record`` writes any exception to the
+error file the agent reads (atomically: metrics/logs.AtomicErrorHandler), so the launcher can
+tell the user which rank failed and why.
 """
 
 from __future__ import annotations

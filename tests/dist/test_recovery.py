@@ -145,6 +145,25 @@ def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, c
     assert_no_orphans(out)
 
 
+def test_a_damaged_rank_state_file_makes_every_rank_take_the_previous_checkpoint(
+    tmp_path, clean_hash
+):
+    """Rank 1's own state (RNG) file of step 6 is damaged: rank 0's checkpoint of step 6 is
+    whole, but resuming from it would give rank 1 another random stream. Every rank skips
+    it together, for step 3, and the run still ends with the uninterrupted weights."""
+    out = tmp_path / "run"
+    result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "1",
+                     "--inject", "corrupt-checkpoint:step=6:rank=1,kill:rank=0:step=8",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = summary_of(out)
+    assert summary["params_sha256"] == clean_hash
+    [recovery] = summary["recoveries"]
+    assert recovery["step"] == 3 and recovery["skipped_checkpoints"] == 1
+    assert "sha256 does not match" in (out / "logs" / "rank1.log").read_text()
+    assert_no_orphans(out)
+
+
 def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
     """Three nodes under fsdp; node 2 is lost. The survivors re-form a world of two, load the
     checkpoint all three wrote as shards (DCP reshards it 3 -> 2), and every sample of the

@@ -40,6 +40,39 @@ def test_checkpoints_keep_the_newest_and_skip_damaged_ones(tmp_path):
     assert load_latest(tmp_path / "none") == (None, [])
 
 
+@pytest.mark.parametrize("damage", ["torn", "not-a-list", "bad-entry"])
+def test_a_damaged_index_is_read_as_its_previous_generation(tmp_path, damage):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, {"step": step}, keep=3)
+    index = tmp_path / "index.json"
+    text = index.read_text()
+    index.write_text({"torn": text[: len(text) // 2], "not-a-list": '{"step": 3}',
+                      "bad-entry": text.replace('"step": 3', '"step": "3"')}[damage])  # fmt: skip
+    notes: list[str] = []
+    assert [e["step"] for e in read_index(tmp_path, notes)] == [1, 2]  # index.prev.json
+    assert len(notes) == 1 and "index.json" in notes[0]
+    state, skipped = load_latest(tmp_path)
+    assert state["step"] == 2 and "index.json" in skipped[0]
+    (tmp_path / "index.prev.json").write_text("")  # both generations damaged: none to trust
+    assert load_latest(tmp_path)[0] is None
+
+
+def test_per_rank_state_files_carry_their_own_checksum(tmp_path):
+    from scaletrain.fault.checkpoint import DamagedFile, load_rank_state, save_rank_state
+
+    path = tmp_path / "rng" / "step-00000002-rank1.pt"
+    save_rank_state(path, {"rng": {"torch": torch.arange(4)}, "strategy": None})
+    assert torch.equal(load_rank_state(path)["rng"]["torch"], torch.arange(4))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01  # one flipped bit
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedFile):
+        load_rank_state(path)
+    path.write_bytes(bytes(data[:40]))  # torn
+    with pytest.raises(DamagedFile):
+        load_rank_state(path)
+
+
 def test_parse_inject():
     assert parse_inject("") == []
     assert parse_inject("kill:rank=1:step=7, killnode:rank=2:step=3") == [

@@ -12,10 +12,18 @@ autograd thread, and overlaps the returned future with the rest of backward. Rul
 - Callbacks only decode locally and record the collective's time and bytes (metrics/timers),
   after ``fut.value()``: a failed collective (a dead peer) must fail the step, not hand DDP
   a half-reduced buffer.
+- ``ordered`` (--deterministic): sums are taken in rank order from an all-gather instead of
+  by all-reduce. A ring all-reduce adds each element in an order set by the chunk it falls
+  in, so with 3 or more ranks its bits depend on the bucket layout, and DDP's first iteration
+  uses one bucket before rebuilding them: the first step after a restart summed in another
+  order than the uninterrupted run's step, and the weights drifted apart in the last bits.
+  The all-gather sends (W-1)/W of the gradient per rank more than a ring; with 2 ranks the
+  sum is commutative and the all-reduce is kept.
 """
 
 # No `from __future__ import annotations`: DDP inspects the hook's `bucket` annotation at run
 # time and rejects a string.
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +40,33 @@ class HookState:
     world_size: int
     compressor: Compressor | None = None
     group: Any = None  # the process group; None: the default one
+    ordered: bool = False  # rank-ordered sums, bitwise independent of bucketing (see above)
+
+    @property
+    def gathers(self) -> bool:
+        return self.ordered and self.world_size > 2
+
+
+def _sum_launch(
+    state: HookState, tensor: torch.Tensor
+) -> tuple[Any, Callable[[], torch.Tensor], str]:
+    """Start the sum of ``tensor`` over the ranks: (work, a function giving the sum once the
+    work completed, the collective's name for byte accounting)."""
+    if not state.gathers:
+        work = dist.all_reduce(tensor, group=state.group, async_op=True)
+        return work, lambda: tensor, "all_reduce"
+    rows = tensor.new_empty(state.world_size * tensor.numel())
+    work = dist.all_gather_into_tensor(rows, tensor.reshape(-1), group=state.group, async_op=True)
+
+    def ordered_sum() -> torch.Tensor:
+        flat = tensor.view(-1)
+        parts = rows.view(state.world_size, -1)
+        flat.copy_(parts[0])
+        for row in parts[1:]:  # rank 0 + rank 1 + ...: one order, whatever the layout
+            flat.add_(row)
+        return tensor
+
+    return work, ordered_sum, "all_gather"
 
 
 def timed_allreduce_hook(
@@ -41,26 +76,34 @@ def timed_allreduce_hook(
     buffer = bucket.buffer()
     start = state.timer.now()
     buffer.div_(state.world_size)
-    work = dist.all_reduce(buffer, group=state.group, async_op=True)
-    sent = sent_bytes("all_reduce", nbytes(buffer), state.world_size)
+    work, reduced, collective = _sum_launch(state, buffer)
+    sent = sent_bytes(collective, nbytes(buffer), state.world_size)
 
     def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
         fut.value()  # re-raises a failed collective (a dead peer): never return a stale buffer
+        reduced()
         state.timer.record(start, state.timer.now(), sent)
         return buffer
 
     return work.get_future().then(finished)  # type: ignore[union-attr]
 
 
-def _launch(state: HookState, payload: torch.Tensor) -> tuple[Any, torch.Tensor]:
-    """Start the compressor's collective on ``payload``; (work, tensor holding the result)."""
+def _launch(state: HookState, payload: torch.Tensor) -> tuple[Any, Callable[[], torch.Tensor]]:
+    """Start the compressor's collective on ``payload``; (work, a function giving the result
+    once the work completed)."""
     assert state.compressor is not None
     if state.compressor.collective == "all_reduce":
-        return dist.all_reduce(payload, group=state.group, async_op=True), payload
+        work, reduced, _ = _sum_launch(state, payload)
+        return work, reduced
     # gloo wants a flat output; decompress sees one row per rank.
     out = payload.new_empty(state.world_size * payload.numel())
     work = dist.all_gather_into_tensor(out, payload, group=state.group, async_op=True)
-    return work, out.view(state.world_size, *payload.shape)
+    return work, lambda: out.view(state.world_size, *payload.shape)
+
+
+def _collective(state: HookState) -> str:
+    assert state.compressor is not None
+    return "all_gather" if state.gathers else state.compressor.collective
 
 
 def compressed_hook(
@@ -82,16 +125,16 @@ def compressed_hook(
         work.wait()
         end = state.timer.now()
         state.timer.blocked(end - waited)
-        sent = sent_bytes(compressor.collective, nbytes(payload), state.world_size)
+        sent = sent_bytes(_collective(state), nbytes(payload), state.world_size)
         state.timer.record(start, end, sent, dense_share)
-        payload = compressor.next_round(key, result)
+        payload = compressor.next_round(key, result())
         start = state.timer.now()
     work, result = _launch(state, payload)
-    sent = sent_bytes(compressor.collective, nbytes(payload), state.world_size)
+    sent = sent_bytes(_collective(state), nbytes(payload), state.world_size)
 
     def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
         fut.value()  # re-raises a failed collective
-        compressor.decompress(key, result, grad)
+        compressor.decompress(key, result(), grad)
         state.timer.record(
             start, state.timer.now(), sent, dense - dense_share * (compressor.rounds - 1)
         )

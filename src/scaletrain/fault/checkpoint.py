@@ -54,6 +54,7 @@ def atomic_torch_save(path: Path, obj: Any) -> None:
 
 
 CHECKPOINT_INDEX = "index.json"
+PREVIOUS_INDEX = "index.prev.json"
 
 
 class CheckpointError(RuntimeError):
@@ -109,7 +110,10 @@ def save_checkpoint(
         entries.append(entry)
         entries.sort(key=lambda e: e["step"])
         kept, dropped = entries[-keep:], entries[:-keep]
-        atomic_write_json(directory / CHECKPOINT_INDEX, kept)
+        index = directory / CHECKPOINT_INDEX
+        if index.exists():  # the previous generation: the fallback for a damaged index
+            atomic_write_bytes(directory / PREVIOUS_INDEX, index.read_bytes())
+        atomic_write_json(index, kept)
     except OSError as e:
         previous = max((e["step"] for e in entries if e["file"] != path.name), default=None)
         intact = f"step {previous}" if previous is not None else "none yet"
@@ -178,10 +182,39 @@ class AsyncCheckpointer:
 
 
 def rng_path(directory: Path, step: int, rank: int) -> Path:
-    """Where rank ``rank`` keeps its RNG states for the checkpoint of ``step``. Each rank
-    writes its own file: no collective on the checkpoint path, and rank 0's checkpoint keeps
-    its own states as the fallback for a rank whose file is missing."""
+    """Where rank ``rank`` keeps its own state for the checkpoint of ``step``: its RNG states
+    and any per-rank part of the strategy's (a local-SGD replica between synchronizations).
+    Each rank writes its own file: no collective on the checkpoint path, and rank 0's
+    checkpoint keeps its own states as the fallback for a rank whose file is missing."""
     return directory / "rng" / f"step-{step:08d}-rank{rank}.pt"
+
+
+_DIGEST = b"sha256:"
+
+
+def save_rank_state(path: Path, state: Any) -> None:
+    """A per-rank state file that carries its own checksum: "sha256:<hex>\n" then torch.save
+    bytes (rank 0 cannot list every rank's digest in index.json without a collective)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    atomic_write_bytes(path, _DIGEST + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
+
+
+class DamagedFile(ValueError):
+    """A checkpoint file whose bytes do not match its checksum."""
+
+
+def load_rank_state(path: Path) -> Any:
+    """What save_rank_state wrote; FileNotFoundError when absent, DamagedFile when its bytes
+    do not match its digest (torn, truncated, flipped)."""
+    raw = path.read_bytes()
+    head, _, data = raw.partition(b"\n")
+    if not head.startswith(_DIGEST) or hashlib.sha256(data).hexdigest() != head[7:].decode(
+        errors="replace"
+    ):
+        raise DamagedFile(f"{path}: sha256 does not match its contents")
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def prune_rng_files(directory: Path) -> None:
@@ -192,18 +225,48 @@ def prune_rng_files(directory: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def read_index(directory: Path) -> list[dict[str, Any]]:
+def _parse_index(path: Path) -> list[dict[str, Any]]:
+    """The entries of an index file; [] when absent; DamagedFile when it is not a list of
+    {step, file, sha256} entries (torn or edited)."""
     try:
-        return list(json.loads((directory / CHECKPOINT_INDEX).read_text()))
+        entries = json.loads(path.read_text())
     except FileNotFoundError:
         return []
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DamagedFile(f"{path}: not JSON ({e})") from None
+    ok = isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("step"), int) and isinstance(e.get("file"), str)
+        and isinstance(e.get("sha256"), str) for e in entries
+    )  # fmt: skip
+    if not ok:
+        raise DamagedFile(f"{path}: not a list of checkpoint entries")
+    return list(entries)
 
 
-def load_latest(directory: Path) -> tuple[dict[str, Any] | None, list[str]]:
-    """The newest checkpoint whose bytes match its recorded sha256, loaded with
-    weights_only=True, and a note for every newer one that was skipped as damaged."""
-    skipped = []
-    for entry in reversed(read_index(directory)):
+def read_index(directory: Path, notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """The checkpoints index.json lists, oldest first. A damaged index is read as the
+    previous generation (index.prev.json, written before each update), and failing that as
+    empty; each file it names is still checked against its sha256 before it is loaded.
+    ``notes`` collects what was found damaged."""
+    for name in (CHECKPOINT_INDEX, PREVIOUS_INDEX):
+        try:
+            return _parse_index(directory / name)
+        except DamagedFile as e:
+            if notes is not None:
+                notes.append(str(e))
+    return []
+
+
+def load_latest(
+    directory: Path, below: int | None = None
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The newest checkpoint (of a step before ``below``, when given) whose bytes match its
+    recorded sha256, loaded with weights_only=True, and a note for every newer one that was
+    skipped as damaged (a damaged index too)."""
+    skipped: list[str] = []
+    for entry in reversed(read_index(directory, skipped)):
+        if below is not None and entry["step"] >= below:
+            continue
         path = directory / entry["file"]
         try:
             data = path.read_bytes()

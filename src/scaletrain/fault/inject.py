@@ -10,7 +10,9 @@ strategies:
 - ``slow:rank=R:factor=F``: every step of rank R takes F times its measured compute time
   (slower hardware); in every attempt, since a slow machine stays slow.
 - ``corrupt-checkpoint:step=S``: damage the checkpoint of step S on disk right after it is
-  written (bit rot, a torn write); resuming must detect it and use an older one.
+  written (bit rot, a torn write); resuming must detect it and use an older one. With
+  ``:rank=R``, damage rank R's own state file of that checkpoint instead (its RNG states):
+  every rank must then skip that checkpoint together.
 
 Under --strategy ps a worker's step S is its own S-th step, and a server rank's step S is
 its S-th update (so ``kill`` can take a server down too).
@@ -41,6 +43,11 @@ class Fault:
         return 0.0
 
     def after_checkpoint(self, step: int, path: Path, attempt: int) -> None:
+        """Rank 0, once checkpoint ``path`` of ``step`` is written."""
+        return None
+
+    def after_rank_state(self, step: int, rank: int, path: Path, attempt: int) -> None:
+        """Every rank, once its own state file ``path`` of ``step`` is written."""
         return None
 
     def validate(self) -> str | None:
@@ -98,17 +105,27 @@ class Slow(Fault):
 @dataclass(frozen=True)
 class CorruptCheckpoint(Fault):
     step: int
+    rank: int = -1  # -1: the checkpoint itself; R: rank R's own state file
 
     def after_checkpoint(self, step: int, path: Path, attempt: int) -> None:
-        if attempt == 0 and step == self.step:
-            with open(path, "r+b") as f:  # flip bytes in the middle: sizes stay, sha256 fails
-                f.seek(path.stat().st_size // 2)
-                chunk = f.read(64)
-                f.seek(-len(chunk), os.SEEK_CUR)
-                f.write(bytes(b ^ 0xFF for b in chunk))
+        if attempt == 0 and step == self.step and self.rank < 0:
+            _flip_middle(path)
+
+    def after_rank_state(self, step: int, rank: int, path: Path, attempt: int) -> None:
+        if attempt == 0 and step == self.step and rank == self.rank:
+            _flip_middle(path)
 
     def validate(self) -> str | None:
         return None if self.step >= 1 else "needs step >= 1"
+
+
+def _flip_middle(path: Path) -> None:
+    """Flip 64 bytes in the middle of a file: its size stays, its sha256 fails."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        chunk = f.read(64)
+        f.seek(-len(chunk), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in chunk))
 
 
 INJECTORS: dict[str, type[Fault]] = {
@@ -125,7 +142,9 @@ EXAMPLES = (
 
 def _build(kind: str, pairs: list[str]) -> Fault:
     cls = INJECTORS[kind]
-    types = {f.name: f.type for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    types = {f.name: f.type for f in fields}
+    optional = {f.name for f in fields if f.default is not dataclasses.MISSING}
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
@@ -137,7 +156,7 @@ def _build(kind: str, pairs: list[str]) -> Fault:
         except ValueError:
             raise ValueError(f"{key} must be {'a number' if kind_of is float else 'an integer'}, "
                              f"got {text!r}") from None  # fmt: skip
-    missing = set(types) - set(options)
+    missing = set(types) - set(options) - optional
     if missing:
         raise ValueError(f"missing {', '.join(sorted(missing))}; {kind} takes {', '.join(types)}")
     return cls(**options)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from scaletrain.data.sampler import GlobalBatchSampler
-from scaletrain.fault.checkpoint import load_latest, rng_path
+from scaletrain.fault.checkpoint import load_latest, load_rank_state, rng_path
 from scaletrain.metrics.sinks import read_jsonl
 from scaletrain.strategies.base import Strategy
 
@@ -147,20 +148,22 @@ def progress_step(state: dict[str, Any]) -> int:
     return int(state["progress"]["step"])
 
 
-def own_rng_state(
-    checkpoints: Path, step: int, rank: int, fallback: dict[str, Any]
-) -> dict[str, Any]:
-    """This rank's RNG states saved with the checkpoint of ``step``, so each rank continues its
-    own random stream; rank 0's (in the checkpoint itself) when this rank has no readable file
-    (it joined later, or died before writing it)."""
+def own_state(
+    checkpoints: Path, step: int, rank: int, fallback_rng: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """This rank's own state saved with the checkpoint of ``step``: (RNG states, the
+    strategy's per-rank part or None, ""), so each rank continues its own random stream and
+    replica. Rank 0's RNG states (in the checkpoint itself) and no per-rank part when this
+    rank has no file (it joined later, or died before writing it). The third item is not
+    empty when the file exists but is damaged: that checkpoint must not be used."""
     path = rng_path(checkpoints, step, rank)
     try:
-        return cast(dict[str, Any], torch.load(path, weights_only=True))
+        own = load_rank_state(path)
     except FileNotFoundError:
-        return fallback
-    except Exception as e:
-        log.warning("cannot read %s (%s); continuing with rank 0's random state", path, e)
-        return fallback
+        return fallback_rng, None, ""
+    except Exception as e:  # DamagedFile, or bytes torch cannot read
+        return fallback_rng, None, f"{path}: {e}"
+    return own["rng"], own.get("strategy"), ""
 
 
 def resume(
@@ -171,11 +174,28 @@ def resume(
     config_hash: str,
     attempt: int,
     metrics: Path,
+    all_agree: Callable[[bool], bool] = lambda ok: ok,
 ) -> Progress | None:
     """Load the newest valid checkpoint into ``strategy`` and ``sampler``. None on a first
     attempt without one; a restarted attempt without one starts from step 0, and either way
-    the restart is recorded in the returned progress's recoveries."""
-    state, skipped = load_latest(checkpoints)
+    the restart is recorded in the returned progress's recoveries.
+
+    Valid means its file matches index.json's sha256 and no rank's own state file for it is
+    damaged; ``all_agree(ok)`` is True when ``ok`` holds on every rank (a collective: every
+    rank calls it equally often, since all read the same files)."""
+    below: int | None = None
+    skipped: list[str] = []
+    while True:
+        state, damaged = load_latest(checkpoints, below)
+        skipped += damaged
+        if state is None:
+            break
+        step = progress_step(state)
+        rng, rank_part, problem = own_state(checkpoints, step, sampler.rank, state["rng"][0])
+        if all_agree(not problem):
+            break
+        skipped.append(problem or f"step {step}: another rank's own state file is damaged")
+        below = step
     for note in skipped:
         log.warning("skipping damaged checkpoint %s", note)
     if state is None and attempt == 0:
@@ -187,8 +207,9 @@ def resume(
         )
     if state is not None:
         strategy.load_state_dict(state["strategy"])
+        if rank_part is not None:
+            strategy.load_rank_state_dict(rank_part)
         sampler.load_state_dict(state["sampler"])
-        rng = own_rng_state(checkpoints, progress_step(state), sampler.rank, state["rng"][0])
         set_rng_state(rng)
         progress = Progress(**state["progress"])
     else:  # died before the first checkpoint: everything is redone from the start

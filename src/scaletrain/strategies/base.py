@@ -165,3 +165,12 @@ class Strategy(StrategyChecks, ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned, on every rank."""
+
+    def rank_state_dict(self) -> dict[str, Any] | None:
+        """State that differs between ranks (a local-SGD replica between synchronizations):
+        every rank saves its own beside the checkpoint. None: nothing of the kind."""
+        return None
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's ``rank_state_dict``, after ``load_state_dict``."""
+        return None

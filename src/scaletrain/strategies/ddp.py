@@ -49,7 +49,9 @@ class DDPStrategy(Strategy):
         )
         self.timer = CommTimer()
         compressor = build_compressor(self.cfg.comm.compression, self.ctx.world_size)
-        state = HookState(self.timer, self.ctx.world_size, compressor)
+        state = HookState(
+            self.timer, self.ctx.world_size, compressor, ordered=self.cfg.train.deterministic
+        )
         hook = timed_allreduce_hook if compressor is None else compressed_hook
         self.ddp.register_comm_hook(state, hook)
         self.optimizer = build_optimizer(self.ddp.parameters())

@@ -12,8 +12,10 @@ use local SGD"). Details:
 - The period follows this strategy's own step counter, which checkpoints carry, so a resumed
   run synchronizes at the same steps as an uninterrupted one. ``finish`` synchronizes once
   more if the last period was cut short, so evaluation and the saved model see one model.
-- Checkpoints (written by rank 0) hold rank 0's replica and optimizer state; after a restart
-  every rank continues from those, as if a synchronization had happened there.
+- Checkpoints hold rank 0's replica and optimizer state, and every rank saves its own
+  replica, optimizer state and samples since the last synchronization beside it
+  (``rank_state_dict``), so a restart between synchronizations continues every replica
+  exactly. A rank without such a file (it joined later) starts from rank 0's.
 
 Subclasses change what a synchronization does (diloco.py) through ``synchronize``.
 """
@@ -74,6 +76,13 @@ class LocalSGDStrategy(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
         self.local_steps = state["local_steps"]
         self.samples_since_sync = 0
+
+    def rank_state_dict(self) -> dict[str, Any] | None:
+        return {**self.state_dict(), "samples_since_sync": self.samples_since_sync}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state)
+        self.samples_since_sync = state["samples_since_sync"]
 
     def train_step(self, batch: Batch) -> StepResult:
         start = time.perf_counter()
