@@ -4,7 +4,13 @@ over real gloo links on loopback:
   --barrier-timeout-s, the step is applied without it, its batch is dealt again first, its
   late push is refused, and it can join again at the next step;
 - ssp: a worker too far ahead of the slowest is held until the slowest catches up;
-- admission: a joiner without the job's token (or replaying a record) gets no link."""
+- admission: a joiner without the job's token (or replaying a record) gets no link.
+
+Every test ends with its server finished, its workers gone and every thread it started joined
+(``no_thread_outlives_its_test``): a daemon thread still inside a torch call at interpreter
+exit is forced out by pthread_exit when the call returns, which aborted the whole pytest
+process ("terminate called without an active exception") after a failed test here.
+"""
 
 from __future__ import annotations
 
@@ -47,6 +53,14 @@ class Worker:
         self.worker, self.attempt = worker, attempt
         self.link = tp.Link(client(port), f"ps/link/s0.{inc}/w{worker}.{attempt}",
                             server_side=False, timeout_s=30)  # fmt: skip
+        _WORKERS.append(self)
+
+    def close(self) -> None:
+        """Leave as client.py does at the end: DONE, so the server's handler returns."""
+        try:
+            self.link.send(tp.header(kind=tp.Kind.DONE, worker=self.worker, attempt=self.attempt))
+        except RuntimeError:  # the server is gone already
+            pass
 
     def _reply(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         head = torch.zeros(tp.HEADER, dtype=torch.int64)
@@ -64,6 +78,30 @@ class Worker:
         self.link.send(head)
         self.link.send(torch.tensor(grad), first_tag=1)
         return self._reply()
+
+
+_WORKERS: list[Worker] = []
+_SERVERS: list[tuple[TCPStore, ShardServer]] = []
+
+
+@pytest.fixture(autouse=True)
+def no_thread_outlives_its_test():
+    before = set(threading.enumerate())
+    yield
+    for store, server in _SERVERS:
+        store.set("ps/finish", "1")
+        server.stop.wait(5)
+        with server.cond:  # waiters re-check the stop flag
+            server.cond.notify_all()
+    for worker in _WORKERS:
+        worker.close()
+    _SERVERS.clear()
+    _WORKERS.clear()
+    deadline = time.monotonic() + 40  # a recv in flight ends by its 30 s timeout at worst
+    for thread in set(threading.enumerate()) - before:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in set(threading.enumerate()) - before]
+    assert not alive, f"threads outlived the test: {alive}"
 
 
 def in_thread(fn, *args):
@@ -93,8 +131,9 @@ def start_server(
         store=client(store.port), new_store=lambda: client(store.port), run_dir=tmp_path,
         token=TOKEN,
     )  # fmt: skip
-    threading.Thread(target=server.serve, daemon=True).start()
+    threading.Thread(target=server.serve, daemon=True, name="serve").start()
     store.wait(["ps/server0/incarnation"])
+    _SERVERS.append((store, server))
     return store, server
 
 
@@ -128,6 +167,9 @@ def test_a_joiner_without_the_token_is_refused_and_gets_no_link(tmp_path):
     store.set(f"ps/server0.0/joins/{n}", good)
     store.wait([f"ps/server0.0/joins/{n}/answer"])
     assert store.get(f"ps/server0.0/joins/{n}/answer") == b"ok"
+    # Admitted: connect its link, as the worker would, and leave.
+    link = tp.Link(client(store.port), "ps/link/s0.0/w0.0", server_side=False, timeout_s=30)
+    link.send(tp.header(kind=tp.Kind.DONE, worker=0, attempt=0))
     n = store.add("ps/server0.0/joins/count", 1)
     store.set(f"ps/server0.0/joins/{n}", good)
     store.wait([f"ps/server0.0/joins/{n}/answer"])

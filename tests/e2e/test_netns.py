@@ -239,4 +239,7 @@ def test_inplace_across_three_hosts_survives_a_dead_host_then_a_cut_cable(tmp_pa
     assert killed["rank"] == 2 and killed["cause"].startswith("left") and killed["lost_steps"] == 0
     assert killed["world_size"] == 2 and killed["detected_s"] < 3, killed
     assert cut["rank"] == 1 and cut["world_size"] == 1
-    assert 5 <= cut["detected_s"] < 6 + 5, cut  # the in-flight all-reduce's timeout
+    # Where the cut lands decides how it is noticed: between collectives the lighthouse
+    # misses the replica's heartbeats (0.5 s); inside an all-reduce, that collective's
+    # timeout (--hang-timeout-s 6) ends it. Either way, within the timeout and some slack.
+    assert cut["detected_s"] < 6 + 5, cut
