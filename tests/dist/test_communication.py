@@ -1,6 +1,7 @@
 """Less communication, nearly the same model: every compressor, local_sgd and diloco reach
-the accuracy of uncompressed DDP on digits within the gap measured over 6 seeds (TOLERANCE), and local_sgd / diloco reduce exactly to sync
-DDP in their degenerate settings. Real worker processes, real gloo collectives."""
+the accuracy of uncompressed DDP on digits within the gap measured over 6 seeds (TOLERANCE),
+and local_sgd / diloco reduce exactly to sync DDP in their degenerate settings. Real worker
+processes, real gloo collectives."""
 
 from __future__ import annotations
 
