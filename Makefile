@@ -10,7 +10,7 @@ PIP_CONSTRAINT_FLAGS = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast stress lint bench clean
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: install
 test: install
 	bash scripts/install-chromium.sh
 	$(BIN)/pytest
+
+# The fault tests ROUNDS times (default 20), new random draws each round; pass counts per test.
+stress: install
+	$(BIN)/python scripts/stress.py --rounds $(or $(ROUNDS),20)
 
 test-fast: install
 	$(BIN)/pytest tests/unit
