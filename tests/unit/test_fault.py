@@ -96,8 +96,10 @@ def test_parse_inject():
         parse_inject("slow:rank=1")
     with pytest.raises(ValueError, match="needs rank >= 0 and factor >= 1"):
         parse_inject("slow:rank=1:factor=0.5")
-    with pytest.raises(ValueError, match="unknown option 'rank=1'; corrupt-checkpoint takes step"):
-        parse_inject("corrupt-checkpoint:rank=1")
+    with pytest.raises(ValueError, match="unknown option 'node=1'; corrupt-checkpoint takes step"):
+        parse_inject("corrupt-checkpoint:step=3:node=1")
+    with pytest.raises(ValueError, match="missing step; corrupt-checkpoint takes step, rank"):
+        parse_inject("corrupt-checkpoint:rank=1")  # rank is optional, step is not
 
 
 def test_corrupt_checkpoint_fault_breaks_the_sha256_only_in_the_first_attempt(tmp_path):
@@ -288,3 +290,15 @@ def test_error_files_appear_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         handler.record_exception(RuntimeError("boom"))
     assert not path.exists()
+
+
+def test_jsonl_readers_skip_a_torn_last_line(tmp_path):
+    """A writer killed mid-append leaves half a line; every reader takes the whole ones."""
+    from scaletrain.metrics.sinks import read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2}]
+    path.write_bytes(b'{"step": 1}\n\xff\xfe[1, 2]\n')
+    assert read_jsonl(path) == [{"step": 1}]
+    assert read_jsonl(tmp_path / "absent.jsonl") == []

@@ -21,7 +21,6 @@ its network did) is recorded from metrics.jsonl as ``cause: "left"``.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -34,6 +33,7 @@ from scaletrain.fault.checkpoint import atomic_write_json
 from scaletrain.fault.fleet import JobFleet
 from scaletrain.fault.inplace import ADDR_ENV, LIGHTHOUSE_ENV, read_finals, url_host
 from scaletrain.metrics.logs import tail
+from scaletrain.metrics.sinks import read_jsonl
 from scaletrain.metrics.summary import RankTotals, build_summary
 
 # The lighthouse drops a replica whose heartbeats (every 100 ms) stop for this long.
@@ -112,17 +112,15 @@ class Supervisor(JobFleet):
         supervisors recorded (logs/incidents.jsonl), and replicas of other nodes that left
         with no death recorded (their node died, or its network did)."""
         path = self.run_dir / "metrics.jsonl"
-        records = (
-            [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        )
+        records = read_jsonl(path)
         incidents = self.run_dir / "logs" / "incidents.jsonl"
         trained = {(r["rank"], r["attempt"]) for r in records}
         remote = [  # a replica restarted there that never trained again adds nothing here
             i
-            for i in (json.loads(line) for line in incidents.read_text().splitlines())
+            for i in read_jsonl(incidents)
             if i["kind"] == "inplace" and i["rank"] not in self.local
             and (i["rank"], i["attempt"]) in trained
-        ] if incidents.exists() else []  # fmt: skip
+        ]  # fmt: skip
         deaths = [*self.deaths, *remote]
         last_step = max((r["step"] for r in records), default=0)
         for rank in sorted({r["rank"] for r in records} - set(self.local)):
@@ -180,7 +178,7 @@ class Supervisor(JobFleet):
         path = self.run_dir / "metrics.jsonl"
         if len(self.local) == self.world or not path.exists():
             return
-        records = [json.loads(line) for line in path.read_text().splitlines()]
+        records = read_jsonl(path)
         last_step = max((r["step"] for r in records), default=0)
         ending = {r["rank"] for r in records if r["step"] == last_step} - set(self.local)
         deadline = time.monotonic() + timeout_s

@@ -68,11 +68,19 @@ class StepSinks:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete record of a metrics file (a trailing partial line is ignored)."""
+    """Every complete record of a JSONL file; [] when it does not exist. A line that is not
+    a JSON object (a torn last line: its writer died mid-append) is skipped. Every reader of
+    metrics.jsonl, incidents.jsonl and the ps event logs goes through here."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records

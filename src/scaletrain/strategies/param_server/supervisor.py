@@ -29,6 +29,7 @@ from scaletrain.config import RunConfig
 from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
 from scaletrain.fault.fleet import JobFleet
 from scaletrain.metrics.logs import tail
+from scaletrain.metrics.sinks import read_jsonl
 from scaletrain.metrics.summary import RankTotals, build_summary
 from scaletrain.strategies.param_server.admission import TOKEN_ENV, launcher_token
 
@@ -226,20 +227,14 @@ class PSFleet(JobFleet):
             )
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def recoveries(fleet: PSFleet) -> list[dict[str, Any]]:
     """Each death, with what the servers saw of it (logs/ps_events.jsonl) and how long until
     the restarted process was serving or training again."""
-    events = _read_jsonl(fleet.run_dir / "logs" / "ps_events.jsonl")
-    records = _read_jsonl(fleet.run_dir / "metrics.jsonl")
+    events = read_jsonl(fleet.run_dir / "logs" / "ps_events.jsonl")
+    records = read_jsonl(fleet.run_dir / "metrics.jsonl")
     out: list[dict[str, Any]] = []
     # Deaths on other nodes, from the incidents their fleets appended to the shared run dir.
-    incidents = _read_jsonl(fleet.run_dir / "logs" / "incidents.jsonl")
+    incidents = read_jsonl(fleet.run_dir / "logs" / "incidents.jsonl")
     kinds = ("ps-worker", "ps-server")
     remote = [i for i in incidents if i["kind"] in kinds and i["rank"] not in fleet.local]
     for death in [*fleet.deaths, *remote, *fleet.node_losses]:
@@ -336,7 +331,7 @@ def write_summary(fleet: PSFleet) -> dict[str, Any]:
     checkpoint_s = time.perf_counter() - started
     workers = [json.loads(p.read_text()) for p in sorted((run_dir / "logs" / "final").glob(
         "worker*.json"))]  # fmt: skip
-    records = [r for r in _read_jsonl(run_dir / "metrics.jsonl") if r.get("committed")]
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("committed")]
     main = finals[0]
     progress = SimpleNamespace(
         step=main["version"],
