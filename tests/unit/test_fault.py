@@ -302,3 +302,17 @@ def test_jsonl_readers_skip_a_torn_last_line(tmp_path):
     path.write_bytes(b'{"step": 1}\n\xff\xfe[1, 2]\n')
     assert read_jsonl(path) == [{"step": 1}]
     assert read_jsonl(tmp_path / "absent.jsonl") == []
+
+
+def test_pruning_keeps_per_rank_files_newer_than_the_index(tmp_path):
+    """A rank ahead of rank 0 (local SGD between synchronizations) writes its file for a
+    checkpoint rank 0 has not recorded yet: pruning must leave it."""
+    from scaletrain.fault.checkpoint import prune_rng_files, rng_path, save_rank_state
+
+    for step in (1, 2, 3, 4, 5):
+        save_rank_state(rng_path(tmp_path, step, 1), {"step": step})
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, {"step": step}, keep=2)
+    prune_rng_files(tmp_path)
+    left = sorted(p.name for p in (tmp_path / "rng").iterdir())
+    assert left == [f"step-{s:08d}-rank1.pt" for s in (2, 3, 4, 5)]

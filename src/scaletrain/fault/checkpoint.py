@@ -218,10 +218,16 @@ def load_rank_state(path: Path) -> Any:
 
 
 def prune_rng_files(directory: Path) -> None:
-    """Remove the RNG files of checkpoints no longer in the index."""
-    kept = {e["step"] for e in read_index(directory)}
+    """Remove the per-rank files of checkpoints dropped from the index: those older than its
+    oldest entry. Never newer ones: a rank may be steps ahead of rank 0 (local SGD between
+    synchronizations has no collective to hold it) and have written its files for
+    checkpoints rank 0 has not recorded yet; deleting them made that rank resume from rank
+    0's replica instead of its own."""
+    steps = [e["step"] for e in read_index(directory)]
+    if not steps:
+        return
     for path in (directory / "rng").glob("step-*-rank*.pt"):
-        if int(path.name.split("-")[1]) not in kept:
+        if int(path.name.split("-")[1]) < min(steps):
             path.unlink(missing_ok=True)
 
 
