@@ -225,6 +225,19 @@ def test_failure_details_prefer_the_hang_that_caused_the_deaths():
     assert failure_details([death], records, attempt=1)["cause"] == "unknown"
 
 
+def test_a_hang_seen_without_the_heartbeat_store_is_only_a_guess():
+    """A cut cable: rank 1, cut off, cannot read the heartbeats and names rank 0 (silent to
+    it); rank 0 reads every heartbeat and names rank 1. Whichever was written first, rank 0's
+    account is the recovery's."""
+    records = [{"attempt": 0, "rank": r, "step": 9, "unix_time": 50.0} for r in (0, 1)]
+    guess = {"kind": "hang", "attempt": 0, "ranks": [0], "step": 10, "stalled_since": 50.0,
+             "detected_at": 57.0, "store_unreachable": True}  # fmt: skip
+    seen = {**guess, "ranks": [1], "detected_at": 57.5, "store_unreachable": False}
+    for incidents in ([guess, seen], [seen, guess]):
+        assert failure_details(incidents, records, attempt=0)["ranks"] == [1]
+    assert failure_details([guess], records, attempt=0)["ranks"] == [0]  # all there is
+
+
 def test_a_node_that_reported_nothing_while_the_others_saw_symptoms_is_lost():
     records = [{"attempt": 0, "rank": r, "step": 6, "unix_time": 40.0 + r} for r in range(4)]
     # Nodes holding ranks 0-1 and 2 saw only broken collectives; rank 3's node said nothing.

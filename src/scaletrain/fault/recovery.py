@@ -96,7 +96,9 @@ def failure_details(
     """What ended ``attempt``: cause, rank(s), step, detection time. A hang (named by the
     watchdog) explains the deaths it caused, so it wins over them."""
     mine = [i for i in incidents if i.get("attempt") == attempt]
-    hangs = [i for i in mine if i["kind"] == "hang"]
+    # A rank that could not read the heartbeats (it may be the one cut off) only guesses.
+    hangs = sorted((i for i in mine if i["kind"] == "hang"),
+                   key=lambda i: bool(i.get("store_unreachable")))  # fmt: skip
     if not mine:
         return {"cause": "unknown", "rank": None, "ranks": [], "failed_step": None,
                 "detected_at": None, "detected_s": None, "resumed_s": None}  # fmt: skip

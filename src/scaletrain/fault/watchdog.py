@@ -34,6 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from scaletrain.fault.checkpoint import atomic_write_json
+
 log = logging.getLogger("scaletrain.watchdog")
 
 HANG_EXIT_CODE = 75
@@ -209,17 +211,20 @@ class Watchdog:
                 "answer: that host may be unreachable)",
             )
         log.error("%s", diagnosis.message)
-        self._record(diagnosis)
+        self._record(diagnosis, unreachable)
         write_error_file(diagnosis.message)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(HANG_EXIT_CODE)
 
-    def _record(self, diagnosis: Diagnosis) -> None:
+    def _record(self, diagnosis: Diagnosis, unreachable: bool) -> None:
         incident = {
             "kind": "hang",
             "attempt": self.attempt,
             "reported_by": self.rank,
+            # Seen without the store (this rank may be the one cut off): its culprits are a
+            # guess, and a report of a rank that could read every heartbeat wins over it.
+            "store_unreachable": unreachable,
             "ranks": diagnosis.culprits,
             "step": diagnosis.step,
             "collective": diagnosis.collective,
@@ -252,5 +257,6 @@ def write_error_file(message: str) -> None:
             "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))},
         }
     }
-    with open(path, "w") as f:
-        json.dump(data, f)
+    # Whole or absent: the agent reads it the moment this process is gone (see
+    # metrics/logs.AtomicErrorHandler).
+    atomic_write_json(Path(path), data)
