@@ -15,9 +15,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def isolated_env():
-    """Restore os.environ and destroy any process group a test left behind."""
+    """Restore os.environ and destroy any process group a test left behind. Every thread a
+    test started must be gone by its end: a daemon thread still inside a torch call when
+    the interpreter exits is forced out by pthread_exit as the call returns, which aborts
+    the whole pytest process ("terminate called without an active exception")."""
+    import threading
+
     saved = dict(os.environ)
+    before = set(threading.enumerate())
     yield
+    deadline = time.monotonic() + 10
+    for thread in set(threading.enumerate()) - before:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = sorted(t.name for t in set(threading.enumerate()) - before)
+    assert not left, f"threads outlived the test: {left}"
     try:
         import torch.distributed as dist
 

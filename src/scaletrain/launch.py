@@ -394,9 +394,16 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     launch_config = build_launch_config(cfg, run_dir)
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
     progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)
+    from scaletrain.rendezvous import release
+
     try:
         with progress, record_worker_deaths(run_dir, launch_config.logs_specs):
-            elastic_launch(launch_config, sys.executable)("-m", "scaletrain.worker", str(run_dir))
+            try:
+                elastic_launch(launch_config, sys.executable)(
+                    "-m", "scaletrain.worker", str(run_dir)
+                )
+            finally:
+                release()
     except ChildFailedError as e:
         raise WorkerFailed(describe_failure(e.failures, run_dir)) from None
     except RendezvousError as e:

@@ -32,6 +32,7 @@ GRACE_S = 5.0
 UNREACHABLE_EXIT_CODE = 69  # EX_UNAVAILABLE
 BIND_ENV = "SCALETRAIN_BIND"
 _LISTENERS: list[socket.socket] = []
+_TIMERS: list[_CallTimer] = []
 
 
 def interface_of(addr: str) -> str | None:
@@ -102,7 +103,16 @@ class _CallTimer:
         self.endpoint, self.limit_s = endpoint, limit_s
         self._since: dict[int, float] = {}  # thread id -> start of its call
         self._lock = threading.Lock()
-        threading.Thread(target=self._watch, daemon=True, name="scaletrain-rdzv-timer").start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, daemon=True, name="scaletrain-rdzv-timer"
+        )
+        self._thread.start()
+        _TIMERS.append(self)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
     def begin(self) -> None:
         with self._lock:
@@ -113,8 +123,7 @@ class _CallTimer:
             self._since.pop(threading.get_ident(), None)
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(1.0)
+        while not self._stop.wait(1.0):
             with self._lock:
                 oldest = min(self._since.values(), default=None)
             if oldest is not None and time.monotonic() - oldest > self.limit_s:
@@ -171,6 +180,16 @@ def _create_handler(params: Any) -> Any:
         backend, store = create_backend(params)
     timer = _CallTimer(params.endpoint, read_timeout + GRACE_S)
     return create_handler(store, _guarded(backend, timer), params)
+
+
+def release() -> None:
+    """After the agent is done (the job ended, well or not): stop the call timers, so that an
+    in-process launch (the Python API, the tests) leaves no thread behind. The listening
+    sockets stay: the store serving on one may outlive the handler (torch caches
+    multi-tenant stores), and closing a descriptor under it broke the next launch in the
+    same process ("Bad file descriptor")."""
+    while _TIMERS:
+        _TIMERS.pop().close()
 
 
 def register() -> None:
