@@ -340,6 +340,8 @@ class Trainer:
     def _finish(self, wall_s: float, accuracy: float | None) -> dict[str, Any] | None:
         self.totals.memory = self.strategy.memory_bytes()
         self.totals.peak_rss_bytes = peak_rss_bytes()
+        if self.strategy.holds_replica:
+            self.totals.params_sha256 = params_sha256(self.strategy.model)
         gathered: list[RankTotals | None] = [None] * self.ctx.world_size
         dist.all_gather_object(gathered, self.totals)
         if not self.ctx.is_main:

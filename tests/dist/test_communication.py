@@ -85,6 +85,7 @@ def test_method_reaches_ddp_accuracy(tmp_path, baseline, method):
         f"{method}: {summary['test_accuracy']:.4f} vs ddp {base_summary['test_accuracy']:.4f}"
     )
     assert {"overlap", "comm_bytes", "dense_bytes", "comm_s", "compute_s"} <= records[0].keys()
+    assert summary["replicas_agree"] is True  # every rank decoded the same update
     if method in RATIOS:
         lo, hi = RATIOS[method]
         assert lo <= summary["compression_ratio"] <= hi + 1e-9
@@ -96,6 +97,16 @@ def test_method_reaches_ddp_accuracy(tmp_path, baseline, method):
         assert {r["step"] % every for r in synced} == {0}
         assert all(r["comm_bytes"] == 0 for r in records if not r["synced"])
         assert summary["comm_bytes_per_step"] < base_summary["comm_bytes_per_step"] / (every - 1)
+
+
+def test_top_k_keeping_everything_is_plain_ddp(tmp_path):
+    """topk:ratio=1 sends every value and index: the update, and so the weights, must be
+    plain DDP's (up to float order: within 1e-5), and the replicas must agree."""
+    ref, _ = train(tmp_path / "ddp", 2, 115)
+    weights, run_ = train(tmp_path / "topk", 2, 115, compression="topk:ratio=1")
+    diff = max((weights[k] - ref[k]).abs().max().item() for k in ref)
+    assert diff <= 1e-5, f"max abs weight difference {diff:.3g}"
+    assert run_["summary"]["replicas_agree"] is True
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,9 @@ class RankTotals:
     # also infers the shapes between stages).
     stage_busy_s: float = 0.0
     stage_idle_s: float = 0.0
+    # The hash of this rank's whole replica at the end ("" where a rank holds only a part of
+    # the model: fsdp, tensor, pipeline). Data-parallel replicas must agree bit for bit.
+    params_sha256: str = ""
 
     def add(self, record: dict[str, Any]) -> None:
         self.steps += 1
@@ -132,5 +135,11 @@ def build_summary(
         "max_rank_state_bytes": max((sum(r.memory.values()) for r in ranks), default=0),
         "max_rank_peak_rss_bytes": max(r.peak_rss_bytes for r in ranks),
         "params_sha256": params_hash,
+        # Every rank's replica hashed alike: True/False; None where ranks hold parts.
+        "replicas_agree": (
+            len({r.params_sha256 for r in ranks}) == 1
+            if all(r.params_sha256 for r in ranks)
+            else None
+        ),
         "per_rank": [asdict(r) for r in ranks],
     }

@@ -108,6 +108,9 @@ class Strategy(StrategyChecks, ABC):
     # Sharded state: when a checkpoint is due every rank calls save_sharded(dir) (a collective,
     # through torch.distributed.checkpoint), and load_state_dict receives {"dcp": dir}.
     collective_state_dict: ClassVar[bool] = False
+    # Every rank holds the whole model (data parallelism): the ranks' final weights are
+    # hashed and compared (summary.json's replicas_agree).
+    holds_replica: ClassVar[bool] = False
 
     def __init__(self, ctx: DistContext, cfg: RunConfig) -> None:
         self.ctx = ctx

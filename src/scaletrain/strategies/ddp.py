@@ -38,6 +38,7 @@ from scaletrain.strategies.base import (
 
 class DDPStrategy(Strategy):
     supports_compression = True
+    holds_replica = True
 
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None

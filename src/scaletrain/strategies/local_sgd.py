@@ -46,6 +46,7 @@ def float_buffers(model: nn.Module) -> list[torch.Tensor]:
 
 class LocalSGDStrategy(Strategy):
     collective = "parameter averaging (every --sync-every steps)"
+    holds_replica = True
 
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         self.module = model
