@@ -122,6 +122,41 @@ def test_asp_worker_killed_others_continue_and_its_data_is_trained_once(tmp_path
     assert_no_orphans(out)
 
 
+def largest_lead(records) -> int:
+    """ssp's bound, checked from the workers' own clocks: when a worker starts computing its
+    step k+1, the slowest other worker must have pushed at least k - S steps by then (the
+    servers held the worker until that push was applied, and applied means pushed). Only
+    workers still training then count: one whose data ran out has left, and the servers
+    bound the others by those that remain. Returns the largest lead k - (pushes of the
+    slowest other) over every step start."""
+    pushed = collections.defaultdict(list)
+    for r in records:
+        pushed[r["rank"]].append(r["pushed_at"])
+    lead = 0
+    for r in records:  # r["started_at"] is when this worker started step r["clock"]
+        k = r["clock"] - 1  # pushes it had completed then
+        for other, times in pushed.items():
+            if other != r["rank"] and max(times) > r["started_at"]:
+                lead = max(lead, k - sum(1 for t in times if t <= r["started_at"]))
+    return lead
+
+
+@pytest.mark.parametrize("staleness,workers", [(0, 2), (1, 3), (3, 2)])
+def test_ssp_bound_holds_end_to_end(tmp_path, staleness, workers):
+    """Real processes, one worker 3x slower: the fast ones are held at the bound, never
+    beyond it, and they do reach it (the test is not vacuous)."""
+    out = tmp_path / "run"
+    result = run_cli("run", "--strategy", "ps", "--nproc-per-node", str(workers + 1),
+                     "--consistency", "ssp", "--staleness", str(staleness),
+                     "--num-samples", "480", "--batch-size", "8", "--epochs", "1", "--seed", "1",
+                     "--num-threads", "1", "--inject", "slow:rank=0:factor=3",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    _, records = load(out)
+    assert {r["attempt"] for r in records} == {0} and len({r["rank"] for r in records}) == workers
+    assert largest_lead(records) == staleness
+
+
 def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
     out = tmp_path / "run"
     # Adam on the servers (its state is in the checkpoint too). SGD with momentum 0.9 at
@@ -174,10 +209,30 @@ def test_bad_parameter_server_input_fails_before_any_process(tmp_path, capsys, m
 def test_a_local_run_listens_on_loopback_only(tmp_path):
     """The launcher's store, every server's and worker's links: nothing on 0.0.0.0 or ::."""
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "scaletrain", "run", *PS, "--consistency", "asp",
-            "--max-steps", "15", *JOB, "--inject", "slow:rank=0:factor=30", "--out", str(out)]
-    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "scaletrain",
+        "run",
+        *PS,
+        "--consistency",
+        "asp",
+        "--max-steps",
+        "15",
+        *JOB,
+        "--inject",
+        "slow:rank=0:factor=30",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = listeners_while_running(proc, out)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr

@@ -11,7 +11,7 @@ server announces a new incarnation, then joins it again. Under bsp a reply that 
 worker was dropped (it stayed silent past the barrier timeout) makes it join again.
 Its metrics.jsonl record (one per applied push) carries ``staleness``: how many updates the
 servers applied between the pull its gradient was computed on and its push (the largest over
-the servers).
+the servers), and the worker's own ``clock``, ``started_at`` and ``pushed_at``.
 """
 
 from __future__ import annotations
@@ -197,12 +197,12 @@ class PSWorker:
         self.local_step += 1
         for fault in self.faults:
             fault.before_step(self.local_step, self.worker, self.attempt)
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         grad, loss, data_s = self._gradient(indices)
         compute_s = time.perf_counter() - t0 - data_s
         compute_s += sum(f.after_step(self.local_step, self.worker, self.attempt, compute_s)
                          for f in self.faults)  # fmt: skip
-        t1 = time.perf_counter()
+        t1, pushed_at = time.perf_counter(), time.time()
         heads, lost = self._exchange(step, len(indices), grad)
         round_s = time.perf_counter() - t1
         held_s = max((int(h[tp.HELD_US]) for h in heads.values()), default=0) / 1e6
@@ -236,6 +236,11 @@ class PSWorker:
             "dense_bytes": grad.numel() * grad.element_size(),
             "staleness": max((int(h[tp.STALENESS]) for h in heads.values()), default=0),
             "version": self.versions[0],
+            # This worker's own clock (pushes so far, this attempt) and when it began
+            # computing the step and pushed it: enough to check ssp's bound from outside.
+            "clock": self.local_step,
+            "started_at": started_at,
+            "pushed_at": pushed_at,
             "committed": committed,
             "time_s": time.perf_counter() - start,
             "unix_time": time.time(),
