@@ -33,7 +33,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from floors import Floors  # noqa: E402
+
 from scaletrain.netns import NetworkLab, unavailable_reason  # noqa: E402
+
+FLOORS = Floors()
 
 WARMUP = 4
 SYNC_EVERY = 8
@@ -147,11 +151,12 @@ def main() -> None:
                 each = [share_of_bound(b, r) for b, r in pairs]
                 verdicts.append(
                     f"PowerSGD at 100 Mbit/s: {speedup / bound:.0%} of its Amdahl bound (floor "
-                    f"80%): {'PASS' if ok else 'FAIL'}; per repeat: "
-                    + ", ".join(f"{e:.0%}" for e in each)
+                    f"80%): {FLOORS.check('PowerSGD at 100 Mbit/s >= 80% of Amdahl', ok)}; "
+                    "per repeat: " + ", ".join(f"{e:.0%}" for e in each)
                 )
     for line in verdicts:
         print("\n" + line)
+    FLOORS.finish()
 
 
 if __name__ == "__main__":

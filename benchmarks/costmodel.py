@@ -33,9 +33,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from floors import Floors  # noqa: E402
+
 from scaletrain.analysis import costmodel  # noqa: E402
 from scaletrain.analysis.probe import probe_lab, probe_local  # noqa: E402
 from scaletrain.netns import NetworkLab, unavailable_reason  # noqa: E402
+
+FLOORS = Floors()
 
 WARMUP = 4
 JOB = ["--dataset", "synthetic", "--image-size", "32", "--model", "mlp", "--width", "256",
@@ -128,7 +132,10 @@ def main() -> None:
         )  # fmt: skip
         predicted = costmodel.predict_method(cal, row["method"], row["workers"]).step_s
         ratio = predicted / row["measured_step_s"]
-        verdict = "ok" if abs(ratio - 1) <= 0.2 else "MISS"
+        verdict = FLOORS.check(
+            f"{row['network']} W={row['workers']} {row['method']}: pred/meas within 20%",
+            abs(ratio - 1) <= 0.2,
+        )
         print(f"{row['network']:<9} {row['workers']:>2} {row['method']:<12} "
               f"{predicted * 1e3:12.1f} {row['measured_step_s'] * 1e3:11.1f} {ratio:9.2f}  "
               f"{verdict}")  # fmt: skip
@@ -140,6 +147,7 @@ def main() -> None:
         Path(args.record).parent.mkdir(parents=True, exist_ok=True)
         Path(args.record).write_text(json.dumps(record, indent=1) + "\n")
         print(f"recorded: {args.record}")
+    FLOORS.finish()
 
 
 if __name__ == "__main__":

@@ -25,12 +25,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from floors import Floors  # noqa: E402
 from torch.utils.data import DataLoader, Dataset
 
 from scaletrain.data.datasets import build_dataset, collate_batch
 from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.data.shards import ShardedDataset, SplitSource, write_shards
 from scaletrain.data.sources import to_uint8_nchw
+
+FLOORS = Floors()
 
 
 def write(out: Path, num_samples: int, shard_size: int) -> float:
@@ -126,12 +129,16 @@ def main() -> None:
                 print(f"  rep {rep} {name:24s} {rate:12,.0f} samples/s", flush=True)
         print(f"\nreading one epoch, batch {args.batch_size}, shard-aware order, best of "
               f"{args.repeats}")  # fmt: skip
-        print(f"{'reader':26s} {'samples/s':>12} {'ratio to raw':>13}")
+        print(f"{'reader':26s} {'samples/s':>12} {'ratio to raw':>13}  floor 0.9")
         for name, rate in best.items():
-            print(f"{name:26s} {rate:12,.0f} {rate / best['raw memmap']:13.3f}")
+            ratio = rate / best["raw memmap"]
+            judged = name.startswith("DataLoader")
+            verdict = FLOORS.check(f"{name}: ratio to raw >= 0.9", ratio >= 0.9) if judged else "-"
+            print(f"{name:26s} {rate:12,.0f} {ratio:13.3f}  {verdict}")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+    FLOORS.finish()
 
 
 if __name__ == "__main__":

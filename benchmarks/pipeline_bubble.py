@@ -43,12 +43,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
+from floors import Floors  # noqa: E402
 from torch import nn  # noqa: E402
 
 import scaletrain  # noqa: E402
 from scaletrain.config import RunConfig, with_overrides  # noqa: E402
 from scaletrain.data.datasets import build_dataset  # noqa: E402
 from scaletrain.task import Task  # noqa: E402
+
+FLOORS = Floors()
 
 HIDDEN = 1024
 BLOCKS = 8
@@ -148,7 +151,11 @@ def bubble_rows(args: argparse.Namespace, tmp: Path) -> None:
                     if kind == "cpu" and stages > cores
                     else ""
                 )
-                verdict = ("ok" if rel <= 0.10 else "MISS") if judged else "-"
+                verdict = (
+                    FLOORS.check(f"{kind} P={stages} M={m}: bubble within 10% of theory",
+                                 rel <= 0.10)
+                    if judged else "-"
+                )  # fmt: skip
                 print(f"{kind:<7} {stages:>2} {m:>3} {schedule:<6} {measured:>9.1%} {theory:>7.1%} "
                       f"{rel:>7.1%} {verdict:>5}{note}", flush=True)  # fmt: skip
 
@@ -186,6 +193,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         bubble_rows(args, Path(tmp))
         memory_rows(Path(tmp))
+    FLOORS.finish()
 
 
 if __name__ == "__main__":

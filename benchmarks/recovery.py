@@ -29,6 +29,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from floors import Floors  # noqa: E402
+
+FLOORS = Floors()
+
 REPO = Path(__file__).resolve().parents[1]
 BASE = [
     "--nproc-per-node",
@@ -75,7 +79,8 @@ def recovery_times(tmp: Path, repeats: int) -> None:
         detected = statistics.median(d for d, _ in rows)
         resumed = statistics.median(r for _, r in rows)
         total = detected + resumed
-        verdict = f"<= 10 s: {'PASS' if total <= 10 else 'FAIL'}" if "kill" in name else "-"
+        verdict = (f"<= 10 s: {FLOORS.check(f'{name}: failure to resumed <= 10 s', total <= 10)}"
+                   if "kill" in name else "-")  # fmt: skip
         print(f"{name:<16} {detected:10.2f} {resumed:10.2f} {total:8.2f}  {verdict}")
     rows, rejoins = [], []
     for i in range(repeats):
@@ -89,8 +94,9 @@ def recovery_times(tmp: Path, repeats: int) -> None:
     detected = statistics.median(d for d, _ in rows)
     resumed = statistics.median(r for _, r in rows)
     total = detected + resumed
+    verdict = FLOORS.check("kill (inplace): failure to resumed <= 2 s", total <= 2)
     print(f"{'kill (inplace)':<16} {detected:10.2f} {resumed:10.2f} {total:8.2f}  "
-          f"<= 2 s: {'PASS' if total <= 2 else 'FAIL'}")  # fmt: skip
+          f"<= 2 s: {verdict}")  # fmt: skip
     if rejoins:
         print(
             f"  the restarted rank rejoined {statistics.median(rejoins):.1f} s after its "
@@ -117,7 +123,8 @@ def checkpoint_overhead(tmp: Path, repeats: int) -> None:
         blocked = statistics.median(s["blocked_s"] for s in summaries)
         per_ckpt = blocked / 20 * 1e3
         share = blocked / wall
-        verdict = f"<= 5%: {'PASS' if share <= 0.05 else 'FAIL'}" if mode == "async" else ""
+        verdict = (f"<= 5%: {FLOORS.check('async checkpoints block <= 5% of wall', share <= 0.05)}"
+                   if mode == "async" else "")  # fmt: skip
         print(f"{mode:<6} {wall:7.2f} {per_ckpt:15.1f} {share:13.1%} "
               f"{wall / base_wall - 1:+9.1%}  {verdict}")  # fmt: skip
 
@@ -129,6 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         recovery_times(Path(tmp), args.repeats)
         checkpoint_overhead(Path(tmp), args.repeats)
+    FLOORS.finish()
 
 
 if __name__ == "__main__":
