@@ -4,6 +4,7 @@ iproute2."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from scaletrain.metrics.sinks import read_jsonl
 from scaletrain.netns import NetworkLab, parse_rate, sweep_stale, tbf_args, unavailable_reason
 
 REASON = unavailable_reason()
@@ -77,8 +79,8 @@ def test_namespaces_of_a_dead_lab_are_swept():
 
 
 def _records(out):
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    # Read while the job appends: a torn last line is skipped, not a JSONDecodeError.
+    return read_jsonl(out / "metrics.jsonl")
 
 
 def _wait_for(predicate, procs, timeout_s=180):
@@ -128,7 +130,7 @@ def test_three_hosts_survive_a_dead_host_then_a_cut_cable(tmp_path):
     out = tmp_path / "run"  # one run directory: the hosts share this file system
     args = ["--epochs", "4", "--checkpoint-every", "5", "--max-restarts", "3", "--seed", "1",
             "--hang-timeout-s", "6", "--timeout-s", "12", "--rdzv-last-call-s", "3",
-            "--rdzv-keep-alive-s", "2"]  # fmt: skip
+            "--rdzv-keep-alive-s", "2", "--log-sample-ids"]  # fmt: skip
 
     def all_three_trained():  # a host that joined late makes the world grow first: wait
         records = _records(out)
@@ -158,7 +160,17 @@ def test_three_hosts_survive_a_dead_host_then_a_cut_cable(tmp_path):
         assert procs[1].returncode == 69, outputs[1]  # rendezvous.UNREACHABLE_EXIT_CODE
         assert "has not answered" in outputs[1][1] and "Traceback" not in outputs[1][1]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["test_accuracy"] >= 0.95 and summary["world_size"] == 1
+    # The world shrinks 3 -> 2 -> 1 (the global batch with it) at points set by timing, so
+    # the accuracy varies a little: 0.944, 0.950, 0.961 (seeds 1-3, this test as it is,
+    # fresh machines). The floor is a sanity check below that; exactly-once is the claim.
+    assert summary["test_accuracy"] >= 0.93 and summary["world_size"] == 1
+    resumed_at = {r["attempt"]: r["step"] for r in summary["recoveries"]}
+    kept = collections.defaultdict(list)  # epoch -> sample ids of steps that were kept
+    for r in _records(out):
+        if r["attempt"] + 1 not in resumed_at or r["step"] <= resumed_at[r["attempt"] + 1]:
+            kept[r["epoch"]] += r["sample_ids"]
+    assert sorted(kept) == [0, 1, 2, 3]
+    assert all(sorted(ids) == list(range(1437)) for ids in kept.values())
     first, second = summary["recoveries"][-2:]
     assert first["cause"] == "node-lost" and first["ranks"] == lost, first
     assert first["world_size"] == 2 and first["detected_at"] - killed_at < 5
@@ -237,7 +249,10 @@ def test_inplace_across_three_hosts_survives_a_dead_host_then_a_cut_cable(tmp_pa
     assert summary["test_accuracy"] >= 0.95 and summary["replicas_agree"]
     killed, cut = summary["recoveries"]
     assert killed["rank"] == 2 and killed["cause"].startswith("left") and killed["lost_steps"] == 0
-    assert killed["world_size"] == 2 and killed["detected_s"] < 3, killed
+    # Killed between collectives, host 2 is noticed by the lighthouse (0.5 s without
+    # heartbeats); killed while the survivors wait on it in torchft's quorum or commit, by
+    # that wait's timeout (--hang-timeout-s 6): measured 0.5-1 s and 6.0 s here.
+    assert killed["world_size"] == 2 and killed["detected_s"] < 6 + 5, killed
     assert cut["rank"] == 1 and cut["world_size"] == 1
     # Where the cut lands decides how it is noticed: between collectives the lighthouse
     # misses the replica's heartbeats (0.5 s); inside an all-reduce, that collective's
