@@ -144,6 +144,7 @@ class Trainer:
             self.run_dir / "checkpoints",
             self.strategy,
             self.sampler,
+            rank=self.ctx.rank,
             config_hash=self.cfg.hash(),
             attempt=self.ctx.restart_count,
             metrics=self.run_dir / "metrics.jsonl",

@@ -173,12 +173,14 @@ def resume(
     strategy: Strategy,
     sampler: GlobalBatchSampler,
     *,
+    rank: int,
     config_hash: str,
     attempt: int,
     metrics: Path,
     all_agree: Callable[[bool], bool] = lambda ok: ok,
 ) -> Progress | None:
-    """Load the newest valid checkpoint into ``strategy`` and ``sampler``. None on a first
+    """Load the newest valid checkpoint into ``strategy`` and ``sampler`` (and this process's
+    own state, global rank ``rank``, where it has one). None on a first
     attempt without one; a restarted attempt without one starts from step 0, and either way
     the restart is recorded in the returned progress's recoveries.
 
@@ -193,7 +195,9 @@ def resume(
         if state is None:
             break
         step = progress_step(state)
-        rng, rank_part, problem = own_state(checkpoints, step, sampler.rank, state["rng"][0])
+        # ``rank`` is the process's global rank, as the files are named: the sampler's is
+        # its data-parallel position, shared by the stages of a pipeline.
+        rng, rank_part, problem = own_state(checkpoints, step, rank, state["rng"][0])
         if all_agree(not problem):
             break
         skipped.append(problem or f"step {step}: another rank's own state file is damaged")
