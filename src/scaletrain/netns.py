@@ -9,7 +9,8 @@ Every link is shaped in both directions: the host's eth0 egress (host -> switch)
 switch port's egress (switch -> host), so a host sends and receives at most ``rate``. The
 bridge lives in its own namespace, so a lab touches nothing of the machine's own network and
 labs never see each other (each has its own switch). tbf is the shaper because netem, fq and
-the like are not in this kernel (FIELD-NOTES.md): bandwidth is emulated, latency is not.
+the like are not in this kernel (checked when the lab was built): bandwidth is emulated,
+latency is not.
 
 Cleanup: ``NetworkLab`` is a context manager; leaving it (also on an exception) kills every
 process still running inside its namespaces and deletes them, which deletes their links.

@@ -6,7 +6,7 @@ autograd thread, and overlaps the returned future with the rest of backward. Rul
 - Every collective is issued from the hook itself, never from a completion callback: gloo
   matches collectives by the order each rank issues them, and callbacks of different buckets
   complete in different orders on different ranks (the bug in torch's own PowerSGD hook with
-  several buckets on gloo, FIELD-NOTES.md).
+  several buckets on gloo: it crashes or hangs there with torch 2.13).
 - So a multi-round compressor runs all rounds but the last blocking; the last round, like the
   one round of the others, stays asynchronous and overlaps with backward.
 - Callbacks only decode locally and record the collective's time and bytes (metrics/timers),

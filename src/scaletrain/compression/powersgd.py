@@ -14,7 +14,7 @@ gradient: the rounds are all-reduces. Q starts random from a generator seeded id
 every rank (every rank must multiply by the same Q) and, with warm start, continues from the
 last step's Q, which makes the single power iteration converge over steps.
 
-Why not torch's powerSGD_hook: on gloo with several buckets it crashes or hangs (FIELD-NOTES),
+Why not torch's powerSGD_hook: on gloo with several buckets it crashes or hangs (torch 2.13),
 because it launches round 2 from round 1's completion callback, so ranks can issue the
 collectives of different buckets in different orders. Here round 1 blocks (compression/hook.py).
 """

@@ -9,8 +9,8 @@ the membership changes. A replica behind the quorum's step heals before the step
 fetches the state registered here (model, optimizer, sampler cursor, progress) from a peer
 over HTTP. We use torchft instead of a quorum protocol of our own: its quorum, heartbeats,
 process-group reconfiguration and healing did exactly this in a probe on this stack
-(FIELD-NOTES.md), and a second implementation of membership agreement is where split brains
-come from.
+(torch 2.13 CPU, torchft 0.2), and a second implementation of membership agreement is where
+split brains come from.
 
 What torchft's own sampler does not do, this loop does: the data cursor commits with the
 step. Each step takes the next ``batch_size x participants`` samples of the epoch's global

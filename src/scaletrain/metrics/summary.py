@@ -1,6 +1,6 @@
 """Per-rank totals, their aggregation over ranks, and summary.json.
 
-summary.json (written by rank 0 at the end) holds the DESIGN.md contract: strategy,
+summary.json (written by rank 0 at the end) holds the contract other tools read: strategy,
 world_size, steps, samples, wall_s, samples_per_s, final_loss, test_accuracy,
 time_breakdown {compute_s, comm_s, wait_s, data_s, checkpoint_s}, recoveries and
 params_sha256, plus the extras documented in README.md. ``steps`` and ``samples`` count the

@@ -11,7 +11,8 @@ checkpointed slice.
 When every worker has finished (or failed for good, as long as one finished) the launcher
 sets ``ps/finish``; each server writes its final slice and exits. The launcher assembles the
 model from the slices, scores the test split itself, and writes checkpoints/final.pt and
-summary.json: the DESIGN contract plus ``ps`` (consistency, servers, workers, partition) and
+summary.json: the common contract (metrics/summary.py) plus ``ps`` (consistency, servers,
+workers, partition) and
 ``staleness_histogram`` (applied gradients by staleness). Deaths, drops, rejoins and server
 restores (logs/ps_events.jsonl) become ``recoveries``.
 """
