@@ -7,8 +7,8 @@ worker (SIGTERM, then SIGKILL after a grace period) when one fails for good. Wor
 the kernel to kill them if the agent dies (runtime.die_with_parent), so no orphans remain.
 
 Measured on torch 2.13: with the default shared rendezvous store, restarted workers sometimes
-read stale gloo addresses (pytorch #135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives workers a store
-of their own and made restarts reliable there.
+read stale gloo addresses (pytorch #135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
+workers a store of their own and made restarts reliable there.
 
 While the agent runs, a thread tails DIR/metrics.jsonl to draw rank 0's progress bar in this
 terminal (metrics/progress.py): workers' own output goes to DIR/logs/rank<R>.log.
