@@ -34,7 +34,8 @@ FAULT_TESTS = [
     "tests/dist/test_failures.py",
     "tests/e2e/test_netns.py",
 ]
-RESULT = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR)", re.M)
+# pytest -rA's short summary: "PASSED tests/...::name", "FAILED tests/...::name - reason".
+RESULT = re.compile(r"^(PASSED|FAILED|ERROR) (tests/\S+::\S+)", re.M)
 
 
 def main() -> int:
@@ -62,14 +63,14 @@ def main() -> int:
             failures.append(f"round {round_} (seed {seed}): pytest exited {proc.returncode}")
             print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
         # Property draws differ between rounds: count them under one name.
-        for test, outcome in results:
+        for outcome, test in results:
             name = re.sub(r"\[.*\]$", "[draw]", test) if "resume_property" in test else test
             runs[name] += 1
             if outcome == "PASSED":
                 passed[name] += 1
             else:
                 failures.append(f"round {round_} (seed {seed}): {test} {outcome}")
-        bad = sum(1 for _, o in results if o != "PASSED")
+        bad = sum(1 for o, _ in results if o != "PASSED")
         print(f"round {round_ + 1}/{args.rounds} seed {seed}: {len(results) - bad} passed, "
               f"{bad} failed, exit {proc.returncode}, {time.monotonic() - started:.0f} s",
               flush=True)  # fmt: skip

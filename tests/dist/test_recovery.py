@@ -130,10 +130,22 @@ def test_hang_without_restarts_fails_with_a_report_not_a_stall(tmp_path):
     assert_no_orphans(out)
 
 
-def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, clean_hash):
+@pytest.mark.parametrize(
+    "damaged,log,message",
+    [
+        ("corrupt-checkpoint:step=6", "rank0.log", "sha256 differs"),
+        # Rank 1's own state (RNG) file of step 6: rank 0's checkpoint is whole, but resuming
+        # from it would give rank 1 another random stream. Every rank skips it together.
+        ("corrupt-checkpoint:step=6:rank=1", "rank1.log", "sha256 does not match"),
+    ],
+    ids=["checkpoint", "rank-state-file"],
+)
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(
+    tmp_path, clean_hash, damaged, log, message
+):
     out = tmp_path / "run"
     result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "1",
-                     "--inject", "corrupt-checkpoint:step=6,kill:rank=0:step=8",
+                     "--inject", f"{damaged},kill:rank=0:step=8",
                      "--out", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = summary_of(out)
@@ -141,26 +153,7 @@ def test_corrupted_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, c
     [recovery] = summary["recoveries"]
     assert recovery["step"] == 3 and recovery["skipped_checkpoints"] == 1
     assert recovery["lost_steps"] == 4
-    assert "sha256 differs" in (out / "logs" / "rank0.log").read_text()
-    assert_no_orphans(out)
-
-
-def test_a_damaged_rank_state_file_makes_every_rank_take_the_previous_checkpoint(
-    tmp_path, clean_hash
-):
-    """Rank 1's own state (RNG) file of step 6 is damaged: rank 0's checkpoint of step 6 is
-    whole, but resuming from it would give rank 1 another random stream. Every rank skips
-    it together, for step 3, and the run still ends with the uninterrupted weights."""
-    out = tmp_path / "run"
-    result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "1",
-                     "--inject", "corrupt-checkpoint:step=6:rank=1,kill:rank=0:step=8",
-                     "--out", str(out))  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    summary = summary_of(out)
-    assert summary["params_sha256"] == clean_hash
-    [recovery] = summary["recoveries"]
-    assert recovery["step"] == 3 and recovery["skipped_checkpoints"] == 1
-    assert "sha256 does not match" in (out / "logs" / "rank1.log").read_text()
+    assert message in (out / "logs" / log).read_text()
     assert_no_orphans(out)
 
 
