@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -43,9 +42,8 @@ class Stuck:  # a backend whose store never answers, like torch's client on a cu
 
 _guarded(Stuck(), _CallTimer("10.0.0.1:29500", limit_s=1.0)).get_state()
 """
-    started = time.monotonic()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=30)  # fmt: skip
+    # The call sleeps 60 s and the run may take 30: this exit code means the timer ended it.
     assert result.returncode == UNREACHABLE_EXIT_CODE
-    assert time.monotonic() - started < 15
     assert "node 0's rendezvous store at 10.0.0.1:29500 has not answered" in result.stderr
