@@ -79,3 +79,27 @@ def test_predictions_within_20_percent_of_recorded_measurements():
         )  # fmt: skip
         predicted = predict_method(model, row["method"], row["workers"]).step_s
         assert predicted / row["measured_step_s"] == pytest.approx(1, abs=0.2), row
+
+
+def test_the_co_location_term_brings_every_shared_host_row_closer():
+    """On the recorded rows whose workers share the 2-core host (loopback), the measured
+    co-location slowdown moves each prediction toward the measurement: with the term removed
+    from compute_s (or set to 1) this fails, as the 20% floor alone would not notice (all
+    five rows passed it without the term)."""
+    record = json.loads(RECORDED.read_text())
+    c = record["calibration"]
+    assert c["colocated_slowdown"] > 1.0
+    shared = [row for row in record["measured"] if row["network"] == "loopback"]
+    assert shared
+    for row in shared:
+        latency, bandwidth = record["links"][row["network"]]
+        errors = []
+        for slowdown in (c["colocated_slowdown"], 1.0):
+            model = Calibration(
+                compute_s=c["compute_s"], batch_size=c["batch_size"],
+                grad_bytes=c["grad_bytes"], latency_s=latency, bandwidth_Bps=bandwidth,
+                cores=record["cores"], colocated_slowdown=slowdown,
+            )  # fmt: skip
+            predicted = predict_method(model, row["method"], row["workers"]).step_s
+            errors.append(abs(predicted / row["measured_step_s"] - 1))
+        assert errors[0] < errors[1], row
