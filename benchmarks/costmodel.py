@@ -11,7 +11,12 @@ configuration runs for real, and its measured step (rank 0's mean over the steps
 warm-up, whole local_sgd periods) is set beside the prediction. The 4-worker row runs 4
 workers on this machine's 2 cores: the model is told (cores=2) and predicts the slowdown.
 
-    python benchmarks/costmodel.py [--record tests/data/costmodel_recorded.json]
+    python benchmarks/costmodel.py [--repeats 3] [--record tests/data/costmodel_recorded.json]
+
+Every calibration (1-worker run, co-located pair, link probes) is repeated --repeats times
+and the model takes the medians; each configuration is measured --repeats times (median).
+The table also shows the interval of predictions that the single calibrations give, which
+says how far one noisy calibration (what this benchmark used to take) could be off.
 
 --record writes the calibration and the measurements, which tests/unit/test_costmodel.py
 checks the model against. Rows at 100 Mbit/s need root and iproute2; without, they are
@@ -89,56 +94,88 @@ def link(network: str, workers: int = 2) -> tuple[float, float]:
     return costmodel.fit_link(list(times), list(times.values()), workers)
 
 
+def calibrate(tmp: Path, repeats: int) -> list[dict[str, float]]:
+    """One calibration per repeat: a 1-worker run (compute per step, model size) and 2
+    co-located workers that never synchronize (what sharing the host costs compute)."""
+    out = []
+    for i in range(repeats):
+        cal = costmodel.calibrate_run(run_local(1, [], 24, tmp / f"single{i}"))
+        apart = run_local(2, ["--strategy", "local_sgd", "--sync-every", "1000"], 16,
+                          tmp / f"apart{i}")  # fmt: skip
+        cal["colocated_slowdown"] = costmodel.calibrate_run(apart)["compute_s"] / cal["compute_s"]
+        out.append(cal)
+        print(f"  calibration {i}: {cal['compute_s'] * 1e3:.1f} ms per step, co-located "
+              f"{cal['colocated_slowdown']:.2f}x", flush=True)  # fmt: skip
+    return out
+
+
+def median_of(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def predict(
+    calibration: dict[str, float], link_: tuple[float, float], row: dict[str, Any]
+) -> float:
+    cal = costmodel.Calibration(
+        compute_s=calibration["compute_s"], batch_size=int(calibration["batch_size"]),
+        grad_bytes=int(calibration["grad_bytes"]), latency_s=link_[0], bandwidth_Bps=link_[1],
+        cores=os.cpu_count() or 1, colocated_slowdown=calibration["colocated_slowdown"],
+    )  # fmt: skip
+    return costmodel.predict_method(cal, row["method"], row["workers"]).step_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", default="", help="write calibration and measurements here")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="calibrations, probes and runs of each config"
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     networks = ["loopback"] + ([] if unavailable_reason() else ["100mbit"])
     if unavailable_reason():
         print(f"100mbit rows skipped: {unavailable_reason()}")
     with tempfile.TemporaryDirectory() as tmp:
-        calibration = costmodel.calibrate_run(run_local(1, [], 24, Path(tmp) / "single"))
-        # Two co-located workers that never synchronize: the host's contention alone.
-        apart = run_local(2, ["--strategy", "local_sgd", "--sync-every", "1000"], 16,
-                          Path(tmp) / "apart")  # fmt: skip
-        calibration["colocated_slowdown"] = (
-            costmodel.calibrate_run(apart)["compute_s"] / calibration["compute_s"]
-        )
-        links = {net: link(net) for net in networks}
-        print(f"calibration: {calibration['compute_s'] * 1e3:.1f} ms per step without "
-              f"communication, {calibration['grad_bytes'] / 1e6:.1f} MB of gradients, "
-              f"co-located workers {calibration['colocated_slowdown']:.2f}x slower")  # fmt: skip
+        calibrations = calibrate(Path(tmp), args.repeats)
+        calibration = median_of(calibrations)
+        probes = {net: [link(net) for _ in range(args.repeats)] for net in networks}
+        links = {net: (statistics.median(lat for lat, _ in fits),
+                       statistics.median(bw for _, bw in fits))
+                 for net, fits in probes.items()}  # fmt: skip
+        print(f"calibration (median of {args.repeats}): {calibration['compute_s'] * 1e3:.1f} ms "
+              f"per step without communication, {calibration['grad_bytes'] / 1e6:.1f} MB of "
+              f"gradients, co-located {calibration['colocated_slowdown']:.2f}x slower")  # fmt: skip
         for net, (lat, bw) in links.items():
             print(f"link {net}: latency {lat * 1e6:.0f} us, bandwidth {bw * 8 / 1e6:,.0f} Mbit/s")
         rows = []
         for i, config in enumerate(c for c in CONFIGS if c["network"] in networks):
             steps = WARMUP + (16 if config["network"] == "loopback" else 8)
-            out = Path(tmp) / f"run{i}"
-            if config["network"] == "loopback":
-                run_dir = run_local(config["workers"], config["flags"], steps, out)
-            else:
-                run_dir = run_shaped(config["network"], config["workers"], config["flags"],
-                                     steps, out)  # fmt: skip
-            rows.append({**config, "measured_step_s": measured_step(run_dir)})
-    print(f"\n{'network':<9} {'W':>2} {'method':<12} {'predicted ms':>12} {'measured ms':>11} "
-          f"{'pred/meas':>9}  floor")  # fmt: skip
+            measured = []
+            for rep in range(args.repeats):
+                out = Path(tmp) / f"run{i}-{rep}"
+                if config["network"] == "loopback":
+                    run_dir = run_local(config["workers"], config["flags"], steps, out)
+                else:
+                    run_dir = run_shaped(config["network"], config["workers"], config["flags"],
+                                         steps, out)  # fmt: skip
+                measured.append(measured_step(run_dir))
+            rows.append({**config, "measured_step_s": statistics.median(measured),
+                         "measured_all": measured})  # fmt: skip
+    # The point prediction uses the median calibration; the interval, every single one (and
+    # every probe of the link): how far one noisy calibration alone could have been off.
+    print(f"\n{'network':<9} {'W':>2} {'method':<12} {'predicted ms':>12} {'interval ms':>13} "
+          f"{'measured ms':>11} {'pred/meas':>9}  floor")  # fmt: skip
     for row in rows:
-        lat, bw = links[row["network"]]
-        cal = costmodel.Calibration(
-            compute_s=calibration["compute_s"], batch_size=int(calibration["batch_size"]),
-            grad_bytes=int(calibration["grad_bytes"]), latency_s=lat, bandwidth_Bps=bw,
-            cores=os.cpu_count() or 1, colocated_slowdown=calibration["colocated_slowdown"],
-        )  # fmt: skip
-        predicted = costmodel.predict_method(cal, row["method"], row["workers"]).step_s
+        predicted = predict(calibration, links[row["network"]], row)
+        each = [predict(c, fit, row) for c in calibrations for fit in probes[row["network"]]]
         ratio = predicted / row["measured_step_s"]
         verdict = FLOORS.check(
             f"{row['network']} W={row['workers']} {row['method']}: pred/meas within 20%",
             abs(ratio - 1) <= 0.2,
         )
         print(f"{row['network']:<9} {row['workers']:>2} {row['method']:<12} "
-              f"{predicted * 1e3:12.1f} {row['measured_step_s'] * 1e3:11.1f} {ratio:9.2f}  "
-              f"{verdict}")  # fmt: skip
+              f"{predicted * 1e3:12.1f} {min(each) * 1e3:6.1f}-{max(each) * 1e3:<6.1f} "
+              f"{row['measured_step_s'] * 1e3:11.1f} {ratio:9.2f}  {verdict}")  # fmt: skip
     if args.record:
         record = {"calibration": calibration, "cores": os.cpu_count(),
                   "links": {k: list(v) for k, v in links.items()},
