@@ -7,7 +7,8 @@ property test draws new configurations and kill points each round
 (SCALETRAIN_RESUME_DRAWS of them; default 3 a round here, 6 in ``make test``).
 
 A test that fails in any round is a bug to find: the summary lists every failure with the
-round's seed, which reproduces the draws (SCALETRAIN_STRESS_SEED=<seed> pytest ...).
+round's seed, which reproduces the draws (SCALETRAIN_STRESS_SEED=<seed> pytest ...), and
+the round's whole pytest output is kept in runs/stress/.
 Exit status: 0 when every test passed every round, 1 otherwise.
 
     python scripts/stress.py [--rounds N] [--draws D] [--seed S] [-- extra pytest args]
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LOGS = REPO / "runs" / "stress"  # a failing round's whole pytest output
 FAULT_TESTS = [
     "tests/dist/test_recovery.py",
     "tests/dist/test_resume_property.py",
@@ -59,6 +61,11 @@ def main() -> int:
             cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         results = RESULT.findall(proc.stdout)
+        if proc.returncode:  # keep the whole output of a failing round to read
+            log = LOGS / f"round{round_}-seed{seed}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(proc.stdout + "\n" + proc.stderr)
+            failures.append(f"round {round_} (seed {seed}): output in {log}")
         if not results or proc.returncode not in (0, 1):  # collection error, abort, crash
             failures.append(f"round {round_} (seed {seed}): pytest exited {proc.returncode}")
             print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)

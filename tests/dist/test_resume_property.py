@@ -86,8 +86,12 @@ def test_a_killed_and_restarted_run_ends_bit_identical(tmp_path, case):
     want = json.loads((clean / "summary.json").read_text())
     got = json.loads((killed / "summary.json").read_text())
     [recovery] = got["recoveries"]
-    assert recovery["failed_step"] == case.kill_step and recovery["rank"] == case.kill_rank
-    assert recovery["step"] == (case.kill_step - 1) // case.checkpoint_every * case.checkpoint_every
+    assert recovery["failed_step"] == case.kill_step and recovery["rank"] == case.kill_rank, (
+        recovery,
+        (killed / "logs" / "incidents.jsonl").read_text(),
+    )
+    newest = (case.kill_step - 1) // case.checkpoint_every * case.checkpoint_every
+    assert recovery["step"] == newest, recovery
     assert got["steps"] == want["steps"] and got["samples"] == want["samples"]
     assert got["params_sha256"] == want["params_sha256"], case
     assert_no_orphans(killed)

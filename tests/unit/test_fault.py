@@ -225,6 +225,24 @@ def test_failure_details_prefer_the_hang_that_caused_the_deaths():
     assert failure_details([death], records, attempt=1)["cause"] == "unknown"
 
 
+def test_a_death_is_the_rank_that_stopped_first_not_those_that_ran_on():
+    """local SGD between synchronizations: rank 1 is SIGKILLed before step 2 while ranks 0
+    and 2 run on to step 3 before the agent stops them with SIGTERM; none of the three left
+    an error file, so the agent's report names all three, the survivor it saw first first."""
+    records = [{"attempt": 0, "rank": r, "step": s, "unix_time": 50.0 + s}
+               for r, last in ((0, 3), (1, 1), (2, 3)) for s in range(1, last + 1)]  # fmt: skip
+    death = {"kind": "death", "attempt": 0, "ranks": [0, 1, 2], "detected_at": 55.0}
+    got = failure_details([death], records, attempt=0)
+    assert got["rank"] == 1 and got["ranks"] == [1] and got["failed_step"] == 2
+    assert got["detected_s"] == pytest.approx(4.0)  # from rank 1's last step
+    lockstep = [
+        {"attempt": 0, "rank": r, "step": s, "unix_time": 50.0 + s}
+        for r in (0, 1, 2)
+        for s in (1, 2)
+    ]  # ddp: every rank stopped after step 2
+    assert failure_details([death], lockstep, attempt=0)["ranks"] == [0, 1, 2]
+
+
 def test_a_hang_seen_without_the_heartbeat_store_is_only_a_guess():
     """A cut cable: rank 1, cut off, cannot read the heartbeats and names rank 0 (silent to
     it); rank 0 reads every heartbeat and names rank 1. Whichever was written first, rank 0's

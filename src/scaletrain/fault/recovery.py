@@ -82,6 +82,9 @@ def checkpoint_state(
         "progress": asdict(progress),
         "rng": rng_states,
         "config_hash": config_hash,
+        # Every rank of this world writes its own state file beside the checkpoint; one that
+        # is missing means that rank never got there (checked at resume).
+        "world_size": strategy.ctx.world_size,
     }
 
 
@@ -108,6 +111,8 @@ def failure_details(
     if lost:
         incident = {**min(mine, key=lambda i: i["detected_at"]), "kind": "node-lost"}
         ranks = lost
+    if incident["kind"] == "death" and len(ranks) > 1:
+        ranks = _stopped_first(ranks, records, attempt)
     last = [r for r in records if r.get("attempt") == attempt and (not ranks or r["rank"] in ranks)]
     if incident["kind"] == "hang":
         failed_step, since = incident["step"], incident["stalled_since"]
@@ -124,6 +129,21 @@ def failure_details(
         "detected_s": detected_at - since if since else None,
         "resumed_s": None,
     }
+
+
+def _stopped_first(ranks: list[int], records: list[dict[str, Any]], attempt: int) -> list[int]:
+    """Of the ranks a death report names (every rank that left no error file: the one that
+    died, and those the agent then stopped with SIGTERM before they could write one), the
+    ones that stopped at the earliest step. A rank that went on training after another one
+    stopped did not die first: between local-SGD synchronizations nothing holds the others
+    back, and they ran on until the agent stopped them. In lockstep (ddp) all stopped at the
+    same step and the agent's order stands."""
+    reached = {rank: 0 for rank in ranks}
+    for r in records:
+        if r.get("attempt") == attempt and r["rank"] in reached:
+            reached[r["rank"]] = max(reached[r["rank"]], r["step"])
+    earliest = min(reached.values())
+    return [rank for rank in ranks if reached[rank] == earliest]
 
 
 def lost_ranks(
@@ -151,17 +171,22 @@ def progress_step(state: dict[str, Any]) -> int:
 
 
 def own_state(
-    checkpoints: Path, step: int, rank: int, fallback_rng: dict[str, Any]
+    checkpoints: Path, step: int, rank: int, state: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
-    """This rank's own state saved with the checkpoint of ``step``: (RNG states, the
+    """This rank's own state saved with checkpoint ``state`` of ``step``: (RNG states, the
     strategy's per-rank part or None, ""), so each rank continues its own random stream and
-    replica. Rank 0's RNG states (in the checkpoint itself) and no per-rank part when this
-    rank has no file (it joined later, or died before writing it). The third item is not
-    empty when the file exists but is damaged: that checkpoint must not be used."""
+    replica. The third item, when not empty, says why the checkpoint must not be used: this
+    rank's file is damaged, or missing although the world that wrote the checkpoint had this
+    rank (it died before that step: between local-SGD synchronizations rank 0 can be steps
+    ahead, and its checkpoint would count samples this rank never trained). A rank beyond
+    that world (the world grew) starts from rank 0's RNG states and no per-rank part."""
+    fallback_rng = state["rng"][0]
     path = rng_path(checkpoints, step, rank)
     try:
         own = load_rank_state(path)
     except FileNotFoundError:
+        if rank < state.get("world_size", 0):
+            return fallback_rng, None, f"{path}: missing (rank {rank} never reached step {step})"
         return fallback_rng, None, ""
     except Exception as e:  # DamagedFile, or bytes torch cannot read
         return fallback_rng, None, f"{path}: {e}"
@@ -184,9 +209,9 @@ def resume(
     attempt without one; a restarted attempt without one starts from step 0, and either way
     the restart is recorded in the returned progress's recoveries.
 
-    Valid means its file matches index.json's sha256 and no rank's own state file for it is
-    damaged; ``all_agree(ok)`` is True when ``ok`` holds on every rank (a collective: every
-    rank calls it equally often, since all read the same files)."""
+    Valid means its file matches index.json's sha256 and every rank's own state file for it
+    is whole (see own_state); ``all_agree(ok)`` is True when ``ok`` holds on every rank (a
+    collective: every rank calls it equally often, since all read the same files)."""
     below: int | None = None
     skipped: list[str] = []
     while True:
@@ -197,10 +222,10 @@ def resume(
         step = progress_step(state)
         # ``rank`` is the process's global rank, as the files are named: the sampler's is
         # its data-parallel position, shared by the stages of a pipeline.
-        rng, rank_part, problem = own_state(checkpoints, step, rank, state["rng"][0])
+        rng, rank_part, problem = own_state(checkpoints, step, rank, state)
         if all_agree(not problem):
             break
-        skipped.append(problem or f"step {step}: another rank's own state file is damaged")
+        skipped.append(problem or f"step {step}: another rank's own state file is unusable")
         below = step
     for note in skipped:
         log.warning("skipping damaged checkpoint %s", note)
