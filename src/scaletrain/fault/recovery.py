@@ -90,7 +90,7 @@ def checkpoint_state(
 
 def read_incidents(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "logs" / "incidents.jsonl"
-    return read_jsonl(path) if path.exists() else []
+    return read_jsonl(path)
 
 
 def failure_details(
@@ -245,7 +245,7 @@ def resume(
         progress = Progress(**state["progress"])
     else:  # died before the first checkpoint: everything is redone from the start
         progress = Progress()
-    records = read_jsonl(metrics) if metrics.exists() else []
+    records = read_jsonl(metrics)
     reached = max((r["step"] for r in records), default=0)
     progress.recoveries.append(
         {
