@@ -93,18 +93,27 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
 
 
 def start_local_nodes(
-    num_nodes: int, args: list[str], rdzv_id: str, node_args: list[list[str]] | None = None
+    num_nodes: int,
+    args: list[str],
+    rdzv_id: str,
+    node_args: list[list[str]] | None = None,
+    *,
+    port: int | None = None,
+    first: int = 0,
 ) -> list[subprocess.Popen[str]]:
     """``scaletrain run ARGS`` once per "node" on this machine, as torchrun users start one per
     host: --node-rank i and a shared c10d rendezvous on a free loopback port (node 0 hosts it).
+    Nodes ``first`` .. ``num_nodes - 1`` are started; a node that joins later is started by
+    another call with the same ``port`` (the returned processes' ``rdzv_port``).
     Communicate with a timeout: a hang fails the test."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    if port is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    return [
+    procs = [
         subprocess.Popen(
             [
                 sys.executable,
@@ -127,5 +136,8 @@ def start_local_nodes(
             text=True,
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
-        for node in range(num_nodes)
+        for node in range(first, num_nodes)
     ]
+    for proc in procs:
+        proc.rdzv_port = port  # type: ignore[attr-defined]
+    return procs

@@ -370,6 +370,9 @@ class PsSection:
             )
 
 
+# Where one node of a job differs from the others: left out of RunConfig.hash().
+NODE_FIELDS = ("node_rank", "local_addr", "bind")
+
 SECTIONS: dict[str, type] = {
     "launch": LaunchSection,
     "train": TrainSection,
@@ -448,9 +451,12 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def hash(self) -> str:
-        """Stable hash of everything that affects training (not where it is written)."""
+        """Stable hash of everything that affects training (not where it is written, nor
+        which node wrote it: the nodes of one job differ only in those)."""
         d = self.to_dict()
         d.pop("out")
+        for name in NODE_FIELDS:
+            d["launch"].pop(name)
         return hashlib.sha256(dumps_toml(d).encode()).hexdigest()[:16]
 
 

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -123,9 +124,14 @@ def check_shards(root: Path, *, verify: bool) -> None:
 
 
 def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
-    """Create the run directory, refuse one that already holds a run, write config.toml."""
+    """Create the run directory, refuse one that already holds a run, write config.toml.
+
+    A node other than node 0 may join a job that is already training (--nnodes MIN:MAX),
+    in the run directory the nodes share: it refuses only a finished run, and keeps the
+    job's config.toml (the one every worker reads) when it holds the same configuration."""
     out = Path(cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    for name in ("summary.json", "metrics.jsonl"):
+    joining = cfg.launch.node_rank != 0 and bool(cfg.launch.rdzv_endpoint)
+    for name in ("summary.json",) if joining else ("summary.json", "metrics.jsonl"):
         if (out / name).exists():
             raise ValueError(
                 f"out: {out} already holds a run ({name} exists); pass another --out or remove it"
@@ -138,7 +144,22 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
     data = cfg.to_dict()
     data["out"] = str(out)
     resolved = from_dict(data)
-    (out / "config.toml").write_text(dumps_toml(resolved.to_dict()))
+    config = out / "config.toml"
+    if joining and config.exists():
+        from scaletrain.config import load_toml
+
+        theirs = load_toml(config)
+        if theirs.hash() != resolved.hash():
+            raise ValueError(
+                f"out: {out} holds a job with another configuration (config hash "
+                f"{theirs.hash()}, this node's {resolved.hash()}): every node of a job must "
+                "be given the same settings"
+            )
+        return resolved, out
+    from scaletrain.fault.checkpoint import atomic_write_bytes
+
+    # Atomic: a worker of a running job may read it while a node joins.
+    atomic_write_bytes(config, dumps_toml(resolved.to_dict()).encode())
     return resolved, out
 
 
@@ -250,22 +271,37 @@ class _DeathRecorder(logging.Handler):
     def __init__(self, run_dir: Path, logs: Any) -> None:
         super().__init__(level=logging.ERROR)
         self.run_dir, self.logs = run_dir, logs
-        self.attempt = 0
+        self.restarts = 0  # this node's failures so far: the attempt where no round is known
 
-    def root_causes(self, reported: int) -> list[int]:
+    @property
+    def attempt(self) -> int:
+        """The attempt that failed: the rendezvous round its world formed in (it is still
+        set: the agent logs the failure before it re-rendezvouses)."""
+        from scaletrain.rendezvous import ATTEMPT_ENV
+
+        return int(os.environ.get(ATTEMPT_ENV, self.restarts))
+
+    def root_causes(self, reported: int, exit_codes: dict[str, int]) -> list[int]:
         """The agent reports the failure it saw first, often a survivor whose collective
         failed ("Connection closed by peer") a moment before the agent noticed the dead rank.
         When it logs, the group is already stopped: the ranks whose error file is missing (a
-        signal) or names a cause rather than a symptom are the candidates. Empty when every
-        rank of this node failed as a symptom (the cause is on another node)."""
+        signal) or names a cause rather than a symptom are the candidates; of those, a rank
+        that ended by the SIGTERM the agent sends when it stops the group is not, when
+        another ended otherwise (``exit_codes``: by error file, as take_exit_codes gives
+        them). Empty when every rank of this node failed as a symptom (the cause is on
+        another node)."""
         from scaletrain.metrics.logs import COLLATERAL
 
-        candidates = []
+        candidates, stopped = [], []
         for rank in sorted(self.logs.ranks.values()):
             path = self.run_dir / "logs" / "errors" / f"rank{rank}.json"
             text = path.read_text(errors="replace") if path.exists() else ""
             if not any(pattern in text for pattern in COLLATERAL):
                 candidates.append(rank)
+                if exit_codes.get(str(path)) == -signal.SIGTERM:
+                    stopped.append(rank)
+        if stopped and len(stopped) < len(candidates):
+            candidates = [rank for rank in candidates if rank not in stopped]
         return sorted(candidates, key=lambda r: r != reported)
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -275,8 +311,10 @@ class _DeathRecorder(logging.Handler):
         exitcode, local_rank, pid = args[:3]
         from scaletrain.fault.watchdog import append_incident
 
+        from scaletrain.metrics.logs import take_exit_codes
+
         reported = self.logs.ranks.get(int(str(local_rank)), -1)
-        causes = self.root_causes(reported)
+        causes = self.root_causes(reported, take_exit_codes())
         append_incident(
             self.run_dir,
             {"kind": "death", "attempt": self.attempt, "ranks": causes or [reported],
@@ -284,23 +322,55 @@ class _DeathRecorder(logging.Handler):
              "reported_rank": reported, "exitcode": exitcode, "pid": pid,
              "detected_at": record.created},
         )  # fmt: skip
-        self.attempt += 1
+        self.restarts += 1
+
+
+class _GrowthRecorder(logging.Handler):
+    """Turns the agent's "Detected N new nodes ... will restart worker group" record (a node
+    joined: the agent stops a healthy world to form a larger one) into a line of
+    DIR/logs/incidents.jsonl, so the restart's recoveries entry says why it happened."""
+
+    def __init__(self, run_dir: Path, logs: Any) -> None:
+        super().__init__(level=logging.INFO)
+        self.run_dir, self.logs = run_dir, logs
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "new nodes from group_rank" not in str(record.msg):
+            return
+        from scaletrain.fault.watchdog import append_incident
+        from scaletrain.rendezvous import ATTEMPT_ENV
+
+        args = record.args if isinstance(record.args, tuple) else ()
+        append_incident(
+            self.run_dir,
+            {"kind": "node-joined", "attempt": int(os.environ.get(ATTEMPT_ENV, "-1")),
+             "ranks": [], "waiting": args[1] if len(args) > 1 else None,
+             "node_ranks": sorted(self.logs.ranks.values()), "detected_at": record.created},
+        )  # fmt: skip
 
 
 @contextlib.contextmanager
 def record_worker_deaths(run_dir: Path, logs: Any) -> Iterator[None]:
-    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    handler = _DeathRecorder(run_dir, logs)
-    saved = logger.level, logger.propagate
-    logger.setLevel(logging.ERROR)
-    logger.propagate = False  # the launcher prints its own account of failures
-    logger.addHandler(handler)
+    """Worker deaths and worlds stopped to grow, from the agent's log records, become
+    incidents (the launcher prints its own account of failures: the records go no further)."""
+    watched = [
+        (logging.getLogger("torch.distributed.elastic.multiprocessing.api"),
+         _DeathRecorder(run_dir, logs), logging.ERROR),
+        (logging.getLogger("torch.distributed.elastic.agent.server.api"),
+         _GrowthRecorder(run_dir, logs), logging.INFO),
+    ]  # fmt: skip
+    saved = [(logger.level, logger.propagate) for logger, _, _ in watched]
+    for logger, handler, level in watched:
+        logger.setLevel(level)
+        logger.propagate = False
+        logger.addHandler(handler)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(saved[0])
-        logger.propagate = saved[1]
+        for (logger, handler, _), (level, propagate) in zip(watched, saved, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
 
 
 def run_inplace_mode(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:

@@ -199,16 +199,18 @@ class NetworkLab:
         nnodes: str = "",
         shared_out: bool = False,
         env: dict[str, str] | None = None,
+        hosts: list[int] | None = None,
     ) -> list[subprocess.Popen[str]]:
         """Start ``scaletrain run ARGS`` on every host as one job: host 0 hosts the c10d
         rendezvous, every node binds gloo to its eth0 and writes to out_root/node<i>, or with
         ``shared_out`` all to out_root (a file system every host shares, as restart recovery
         across nodes needs). ``nnodes``: --nnodes (default: the number of hosts); ``env``: added
-        to every node's environment."""
+        to every node's environment; ``hosts``: start only these (a later call with the others
+        makes them join the job)."""
         import sys
 
         procs = []
-        for host in self.hosts:
+        for host in (self.hosts[i] for i in hosts) if hosts is not None else self.hosts:
             out = out_root if shared_out else out_root / f"node{host.index}"
             argv = [
                 sys.executable, "-m", "scaletrain", "run", *args,

@@ -13,7 +13,14 @@ elastic agent (launch.py uses it for every node).
    exit code ``UNREACHABLE_EXIT_CODE`` and a message saying node 0 cannot be reached. Its
    workers die with it (runtime.die_with_parent).
 
-Everything else (rounds, keep-alives, last call, elastic membership) is torch's own
+3. **Workers learn the round.** Every world the agents form is a new round of the rendezvous,
+   the same number on every node. The agent's own restart count is not: it counts this node's
+   failures only, so a world that grew (a node joined late) or a node that joined after
+   others had failed would reuse or mix numbers. The round is put in the agent's environment
+   as ``$SCALETRAIN_ATTEMPT`` before it starts the workers, which inherit it: it is the
+   ``attempt`` of metrics.jsonl, incidents and recoveries.
+
+Everything else (keep-alives, last call, elastic membership) is torch's own
 ``DynamicRendezvousHandler`` over torch's ``C10dRendezvousBackend``.
 """
 
@@ -31,6 +38,7 @@ BACKEND_NAME = "scaletrain"
 GRACE_S = 5.0
 UNREACHABLE_EXIT_CODE = 69  # EX_UNAVAILABLE
 BIND_ENV = "SCALETRAIN_BIND"
+ATTEMPT_ENV = "SCALETRAIN_ATTEMPT"
 _LISTENERS: list[socket.socket] = []
 _TIMERS: list[_CallTimer] = []
 
@@ -179,7 +187,25 @@ def _create_handler(params: Any) -> Any:
     else:
         backend, store = create_backend(params)
     timer = _CallTimer(params.endpoint, read_timeout + GRACE_S)
-    return create_handler(store, _guarded(backend, timer), params)
+    return _announcing_rounds(create_handler(store, _guarded(backend, timer), params))
+
+
+def _announcing_rounds(handler: Any) -> Any:
+    """``handler``, whose ``next_rendezvous`` also sets $SCALETRAIN_ATTEMPT to the round it
+    joined (see the module's docstring). Where a torch version keeps the round elsewhere,
+    the variable is left unset and workers fall back to the agent's restart count."""
+    join = handler.next_rendezvous
+
+    def next_rendezvous() -> Any:
+        info = join()
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        joined = getattr(state, "round", None)
+        if isinstance(joined, int):
+            os.environ[ATTEMPT_ENV] = str(joined)
+        return info
+
+    handler.next_rendezvous = next_rendezvous
+    return handler
 
 
 def release() -> None:
@@ -190,6 +216,8 @@ def release() -> None:
     same process ("Bad file descriptor")."""
     while _TIMERS:
         _TIMERS.pop().close()
+    # Not inherited by the processes of a later launch in this process (an in-place run's).
+    os.environ.pop(ATTEMPT_ENV, None)
 
 
 def register() -> None:

@@ -29,7 +29,8 @@ class DistContext:
     world_size: int
     local_rank: int
     local_world_size: int
-    restart_count: int
+    restart_count: int  # this node's restarts (the agent's count)
+    attempt: int  # the world's: the same on every rank, one more for every new world
     device: torch.device
     backend: str
 
@@ -121,12 +122,16 @@ def init_distributed(cfg: RunConfig) -> DistContext:
         timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    from scaletrain.rendezvous import ATTEMPT_ENV
+
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=local_rank,
         local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
-        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        restart_count=restart_count,
+        attempt=int(os.environ.get(ATTEMPT_ENV, restart_count)),
         device=device,
         backend=backend,
     )

@@ -42,8 +42,10 @@ from scaletrain.fault.recovery import (
     Progress,
     checkpoint_state,
     mark_resumed,
+    note_recovery,
     resume,
     rng_state,
+    run_recoveries,
 )
 from scaletrain.fault.watchdog import Watchdog
 from scaletrain.metrics.sinks import StepSinks
@@ -109,7 +111,7 @@ class Trainer:
         self.watchdog = Watchdog(
             rank=ctx.rank,
             world_size=ctx.world_size,
-            attempt=ctx.restart_count,
+            attempt=ctx.attempt,
             timeout_s=cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2,
             run_dir=run_dir,
         )
@@ -117,13 +119,21 @@ class Trainer:
     def check_same_checkpoints(self) -> None:
         """Every rank must resume from the same checkpoint. Across nodes that needs --out on
         a file system they all share; otherwise node 0 alone would find its checkpoints and
-        the ranks would train from different states (or wait in different collectives)."""
+        the ranks would train from different states (or wait in different collectives).
+        The same collective checks that every rank labels its records with the same attempt."""
         if self.ctx.world_size == 1:
             return
         index = read_index(self.run_dir / "checkpoints")
         newest = index[-1]["step"] if index else -1
-        bounds = torch.tensor([newest, -newest], device=self.ctx.device)
+        attempt = self.ctx.attempt
+        bounds = torch.tensor([newest, -newest, attempt, -attempt], device=self.ctx.device)
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        if int(bounds[2]) != -int(bounds[3]):  # every record of this world is labelled by it
+            raise RuntimeError(
+                f"internal failure: rank {self.ctx.rank} is in attempt {attempt}, another rank "
+                f"in attempt {int(bounds[2])}: the nodes' agents disagree on the rendezvous "
+                "round"
+            )
         if int(bounds[0]) != -int(bounds[1]):
             raise ValueError(
                 f"rank {self.ctx.rank} sees checkpoints up to step {newest} in "
@@ -146,7 +156,7 @@ class Trainer:
             self.sampler,
             rank=self.ctx.rank,
             config_hash=self.cfg.hash(),
-            attempt=self.ctx.restart_count,
+            attempt=self.ctx.attempt,
             metrics=self.run_dir / "metrics.jsonl",
             all_agree=self._all_agree,
         )
@@ -199,10 +209,11 @@ class Trainer:
         for step_start, step_end in bounds:
             if self.progress.step >= self.total_steps:
                 break
-            step, attempt = self.progress.step + 1, self.ctx.restart_count
+            # One-shot faults fire in this node's first attempt (its agent's restart count).
+            step, restarts = self.progress.step + 1, self.ctx.restart_count
             self.watchdog.enter(step, "starting the step")
             for fault in self.faults:
-                fault.before_step(step, self.ctx.rank, attempt)
+                fault.before_step(step, self.ctx.rank, restarts)
             self.watchdog.enter(step, "loading data")
             t0 = time.perf_counter()
             inputs, targets = to_device(next(batches), self.ctx.device)
@@ -220,7 +231,7 @@ class Trainer:
             )
             self.watchdog.enter(step, "after the train step")
             # A slow-rank fault stretches this rank's step as slower hardware would.
-            slowed_s = sum(f.after_step(step, self.ctx.rank, attempt, result.compute_s)
+            slowed_s = sum(f.after_step(step, self.ctx.rank, restarts, result.compute_s)
                            for f in self.faults)  # fmt: skip
             # The step is applied: only now do its samples count as consumed.
             self.sampler.commit(global_samples)
@@ -233,7 +244,7 @@ class Trainer:
                 "step": self.progress.step,
                 "epoch": self.progress.epoch,
                 "rank": self.ctx.rank,
-                "attempt": self.ctx.restart_count,
+                "attempt": self.ctx.attempt,
                 "samples": samples,
                 "global_samples": global_samples,
                 # A rank that only held a zero-weight stand-in sample has no loss of its own.
@@ -264,6 +275,8 @@ class Trainer:
             if self.resuming:  # the first step after a restart: recovery complete
                 self.resuming = False
                 mark_resumed(self.progress)
+                if self.ctx.is_main:
+                    note_recovery(self.run_dir, self.progress.recoveries[-1])
 
     def _maybe_checkpoint(self) -> float:
         """Save if this step is due; returns the seconds this rank's step was blocked. Rank 0
@@ -354,6 +367,8 @@ class Trainer:
             {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
         )
         checkpoint_s = self.checkpoint_s + time.perf_counter() - started
+        # Also the restarts whose world failed again before it could checkpoint them.
+        self.progress.recoveries = run_recoveries(self.run_dir, self.progress.recoveries)
         summary = build_summary(
             [r for r in gathered if r is not None],
             wall_s=wall_s,

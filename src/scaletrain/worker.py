@@ -39,9 +39,10 @@ def main(argv: list[str]) -> None:
     log = logging.getLogger("scaletrain.worker")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log.info(
-        "worker start: rank %s of %s, attempt %s, pid %d",
+        "worker start: rank %s of %s, attempt %s (this node's restarts: %s), pid %d",
         rank,
         os.environ["WORLD_SIZE"],
+        os.environ.get("SCALETRAIN_ATTEMPT", restart),
         restart,
         os.getpid(),
     )

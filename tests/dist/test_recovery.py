@@ -13,8 +13,11 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
+
+from scaletrain.metrics.sinks import read_jsonl
 
 from tests.conftest import (
     REPO,
@@ -71,6 +74,24 @@ def test_an_empty_error_file_is_a_death_like_any_other_and_the_job_restarts(tmp_
     [recovery] = summary_of(out)["recoveries"]
     assert recovery["cause"] == "death" and recovery["rank"] == 0
     assert_no_orphans(out)
+
+
+def test_a_restart_that_fails_again_before_its_checkpoint_is_still_reported(tmp_path, clean_hash):
+    """Rank 1 dies at step 6, and again at the first step of the restarted group, before that
+    attempt writes a checkpoint. The third attempt resumes from the checkpoint of step 4,
+    which carries neither restart, yet summary.json lists both, and the weights are those of
+    the uninterrupted run."""
+    task = ["--task", str(REPO / "tests" / "dist" / "tasks" / "dies_twice_task.py") + ":build_task"]
+    out = tmp_path / "run"
+    result = run_cli("run", *COMMON, *task, "--checkpoint-every", "4", "--max-restarts", "2",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = summary_of(out)
+    assert summary["params_sha256"] == clean_hash
+    recoveries = summary["recoveries"]
+    assert [(r["attempt"], r["step"], r["cause"], r["rank"], r["failed_step"]) for r in recoveries] == [
+        (1, 4, "death", 1, 6), (2, 4, "death", 1, 5)], recoveries  # fmt: skip
+    assert recoveries[1]["resumed_s"] is not None
 
 
 def test_per_rank_random_streams_continue_exactly_after_a_restart(tmp_path):
@@ -192,6 +213,42 @@ def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
     resumed = summary["recoveries"][0]["step"]
     assert (out / "checkpoints" / f"step-{resumed:08d}.dcp" / "__2_0.distcp").exists()  # 3 shards
     assert summary["test_accuracy"] is not None
+    assert_no_orphans(out)
+
+
+def test_a_node_joining_late_grows_the_world_in_a_new_attempt(tmp_path):
+    """--nnodes 1:2: node 0 trains alone, then node 1 joins and the agents stop the healthy
+    world to form one of two. Neither agent counts that as a restart (both restart counts
+    stay 0), yet the two worlds are two attempts: the records say which world trained each
+    step, the growth is a recovery with cause node-joined, and the steps kept (each attempt's
+    up to where the next resumed) train every sample once."""
+    out = tmp_path / "run"
+    task = str(REPO / "tests" / "dist" / "tasks" / "waits_for_company_task.py") + ":build_task"
+    args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "0",
+            "--task", task, "--dataset", "digits", "--num-samples", "600", "--batch-size", "8",
+            "--epochs", "1", "--checkpoint-every", "2", "--log-sample-ids",
+            "--hang-timeout-s", "600", "--timeout-s", "60", "--rdzv-last-call-s", "1",
+            "--out", str(out)]  # fmt: skip
+    [alone] = start_local_nodes(1, args, "growth")
+    deadline = time.monotonic() + 120
+    while not any(r["step"] >= 4 for r in read_jsonl(out / "metrics.jsonl")):
+        assert alone.poll() is None, alone.communicate()
+        assert time.monotonic() < deadline, "node 0 did not train alone"
+        time.sleep(0.1)
+    [joiner] = start_local_nodes(2, args, "growth", port=alone.rdzv_port, first=1)
+    outputs = [p.communicate(timeout=240) for p in (alone, joiner)]
+    assert [alone.returncode, joiner.returncode] == [0, 0], outputs
+    summary = summary_of(out)
+    [recovery] = summary["recoveries"]
+    assert recovery["attempt"] == 1 and recovery["cause"] == "node-joined", recovery
+    assert recovery["world_size"] == 2 and recovery["step"] == 4, recovery
+    records = read_jsonl(out / "metrics.jsonl")
+    assert {r["rank"] for r in records if r["attempt"] == 0} == {0}
+    assert max(r["step"] for r in records if r["attempt"] == 0) == 4
+    assert {r["rank"] for r in records if r["attempt"] == 1} == {0, 1}
+    kept = [i for r in records if r["attempt"] == 1 or r["step"] <= recovery["step"]
+            for i in r["sample_ids"]]  # fmt: skip
+    assert sorted(kept) == list(range(600))
     assert_no_orphans(out)
 
 

@@ -47,3 +47,37 @@ def test_a_rank_stopped_by_the_agent_is_a_victim(tmp_path):
     text = describe_failure({0: stopped, 1: cause}, tmp_path)
     assert text.startswith("rank 1 failed (exit code 1): RuntimeError: user model exploded.")
     assert "rank 0: killed by SIGTERM" in text
+
+
+def test_a_rank_the_agent_stopped_is_not_named_for_the_rank_that_died(tmp_path):
+    """Rank 2 was SIGKILLed. Rank 0's collective failed first and its error file says so (a
+    symptom); rank 1 was SIGTERMed by the agent before it could write one. Neither error file
+    names rank 2, so the exit codes must: only -SIGKILL is a cause. The agent's own report
+    (its earliest failure, rank 0) is where the death record starts."""
+    import signal
+
+    from scaletrain.launch import _DeathRecorder
+    from scaletrain.metrics.logs import take_exit_codes, tolerate_unreadable_error_files
+
+    tolerate_unreadable_error_files()
+    take_exit_codes()  # none left from elsewhere in this process
+    errors = tmp_path / "logs" / "errors"
+    errors.mkdir(parents=True)
+    symptom = {"message": {"message": "RuntimeError: Connection closed by peer",
+                           "extraInfo": {"timestamp": "5"}}}  # fmt: skip
+    (errors / "rank0.json").write_text(json.dumps(symptom))
+    for rank, code in ((0, 1), (1, -signal.SIGTERM), (2, -signal.SIGKILL)):
+        ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                       error_file=str(errors / f"rank{rank}.json"))  # fmt: skip
+
+    class Logs:
+        ranks = {0: 0, 1: 1, 2: 2}
+
+    recorder = _DeathRecorder(tmp_path, Logs())
+    assert recorder.root_causes(0, take_exit_codes()) == [2]
+    assert take_exit_codes() == {}  # taken once per failure
+    # When the agent stopped every candidate (a SIGTERM from outside), none is dropped.
+    for rank in (1, 2):
+        ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=-signal.SIGTERM,
+                       error_file=str(errors / f"rank{rank}.json"))  # fmt: skip
+    assert recorder.root_causes(0, take_exit_codes()) == [1, 2]

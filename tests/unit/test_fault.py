@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import subprocess
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from scaletrain.fault.checkpoint import (
     AsyncCheckpointer,
@@ -19,7 +21,7 @@ from scaletrain.fault.checkpoint import (
 )
 from scaletrain.fault.inject import CorruptCheckpoint, Hang, Kill, KillNode, Slow, parse_inject
 from scaletrain.fault.recovery import failure_details
-from scaletrain.fault.watchdog import Beat, diagnose
+from scaletrain.fault.watchdog import Beat, Watchdog, diagnose
 
 
 def test_checkpoints_keep_the_newest_and_skip_damaged_ones(tmp_path):
@@ -144,6 +146,26 @@ def test_diagnose_names_frozen_and_missing_ranks():
     assert d.culprits == [1, 2]
     assert "rank 1 stopped sending heartbeats 21 s ago (at step 3, train step)" in d.message
     assert "rank 2 never sent a heartbeat" in d.message
+
+
+def test_a_heartbeat_store_that_fails_is_unreachable_not_a_silent_rank(tmp_path):
+    """A host whose cable is cut gets an error from the store at once (its network is down),
+    not a timeout. That must read as "the store is unreachable" (a guess), never as "every
+    other rank stopped sending heartbeats", which would name the healthy ranks as culprits."""
+    import gc
+
+    from scaletrain.runtime import loopback_store
+
+    server, listener = loopback_store(5.0)
+    watchdog = Watchdog(rank=1, world_size=2, attempt=0, timeout_s=1.0, run_dir=tmp_path)
+    watchdog._store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=False,
+                                    timeout=datetime.timedelta(seconds=5))  # fmt: skip
+    watchdog._publish()
+    beats = watchdog._beats_within(5.0)
+    assert beats is not None and beats[0] is None and beats[1] is not None  # read, rank 0 silent
+    del server  # the store's host is gone: its connections are closed
+    gc.collect()
+    assert watchdog._beats_within(5.0) is None
 
 
 def test_diagnose_without_a_missing_rank_blames_the_collective():

@@ -94,10 +94,14 @@ def read_incidents(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def failure_details(
-    incidents: list[dict[str, Any]], records: list[dict[str, Any]], attempt: int
+    incidents: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    attempt: int,
+    started_at: int = 0,
 ) -> dict[str, Any]:
-    """What ended ``attempt``: cause, rank(s), step, detection time. A hang (named by the
-    watchdog) explains the deaths it caused, so it wins over them."""
+    """What ended ``attempt``, which started after step ``started_at``: cause, rank(s), step,
+    detection time. A hang (named by the watchdog) explains the deaths it caused, so it wins
+    over them."""
     mine = [i for i in incidents if i.get("attempt") == attempt]
     # A rank that could not read the heartbeats (it may be the one cut off) only guesses.
     hangs = sorted((i for i in mine if i["kind"] == "hang"),
@@ -117,7 +121,7 @@ def failure_details(
     if incident["kind"] == "hang":
         failed_step, since = incident["step"], incident["stalled_since"]
     else:
-        failed_step = max((r["step"] for r in last), default=0) + 1
+        failed_step = max((r["step"] for r in last), default=started_at) + 1
         since = max((r.get("unix_time", 0.0) for r in last), default=0.0) or None
     detected_at = incident["detected_at"]
     return {
@@ -164,6 +168,26 @@ def mark_resumed(progress: Progress) -> None:
     entry = progress.recoveries[-1]
     if entry.get("detected_at"):
         entry["resumed_s"] = time.time() - entry["detected_at"]
+
+
+def note_recovery(run_dir: Path, entry: dict[str, Any]) -> None:
+    """Append ``entry`` to DIR/logs/recoveries.jsonl (rank 0 does, when it resumes and again
+    when the recovery completes). A checkpoint carries the recoveries before it, so a restart
+    whose world failed again before its next checkpoint is in no checkpoint: this file keeps
+    it for summary.json."""
+    from scaletrain.fault.watchdog import append_line
+
+    append_line(run_dir / "logs" / "recoveries.jsonl", entry)
+
+
+def run_recoveries(run_dir: Path, carried: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every restart of the run, one entry per attempt in attempt order: those ``carried`` in
+    the loop's progress and those only DIR/logs/recoveries.jsonl holds (the later line of an
+    attempt wins: it has ``resumed_s``)."""
+    by_attempt = {entry["attempt"]: entry for entry in carried}
+    for entry in read_jsonl(run_dir / "logs" / "recoveries.jsonl"):
+        by_attempt[entry["attempt"]] = entry
+    return [by_attempt[a] for a in sorted(by_attempt)]
 
 
 def progress_step(state: dict[str, Any]) -> int:
@@ -247,6 +271,8 @@ def resume(
         progress = Progress()
     records = read_jsonl(metrics)
     reached = max((r["step"] for r in records), default=0)
+    earlier = run_recoveries(metrics.parent, progress.recoveries)
+    started_at = next((e["step"] for e in earlier if e["attempt"] == attempt - 1), 0)
     progress.recoveries.append(
         {
             "kind": "restart",
@@ -255,9 +281,11 @@ def resume(
             "step": progress.step,
             "lost_steps": max(0, reached - progress.step),
             "skipped_checkpoints": len(skipped),
-            **failure_details(read_incidents(metrics.parent), records, attempt - 1),
+            **failure_details(read_incidents(metrics.parent), records, attempt - 1, started_at),
         }
     )
+    if rank == 0:
+        note_recovery(metrics.parent, progress.recoveries[-1])
     log.info(
         "resumed at step %d, epoch %d, cursor %d", progress.step, progress.epoch, sampler.cursor
     )

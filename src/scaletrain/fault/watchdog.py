@@ -168,14 +168,16 @@ class Watchdog:
             log.debug("heartbeat not published: %s", e)
 
     def _read_beats(self) -> dict[int, Beat | None]:
+        """Every rank's heartbeat (None: it published none this attempt). Raises when the
+        store fails: a host whose cable is cut gets an error at once (the network is down),
+        and must not take the silence it reads for the other ranks' fault."""
+        if self._store is None:
+            raise ConnectionError("this rank never reached the heartbeat store")
         beats: dict[int, Beat | None] = {}
         for rank in range(self.world_size):
             beats[rank] = None
-            try:
-                if self._store is not None and self._store.check([self._key(rank)]):
-                    beats[rank] = Beat(**json.loads(self._store.get(self._key(rank))))
-            except Exception as e:
-                log.debug("heartbeat of rank %d unreadable: %s", rank, e)
+            if self._store.check([self._key(rank)]):
+                beats[rank] = Beat(**json.loads(self._store.get(self._key(rank))))
         if beats[self.rank] is None:  # our own view never depends on the store
             beats[self.rank] = Beat(**{**asdict(self._beat), "published": time.time()})
         return beats
@@ -190,9 +192,17 @@ class Watchdog:
                 self._fire()
 
     def _beats_within(self, limit_s: float) -> dict[int, Beat | None] | None:
-        """Every rank's heartbeat, or None when the store does not answer in ``limit_s``."""
+        """Every rank's heartbeat, or None when the store fails or does not answer in
+        ``limit_s``."""
         result: list[dict[int, Beat | None]] = []
-        reader = threading.Thread(target=lambda: result.append(self._read_beats()), daemon=True)
+
+        def read() -> None:
+            try:
+                result.append(self._read_beats())
+            except Exception as e:
+                log.warning("heartbeats unreadable: %s", e)
+
+        reader = threading.Thread(target=read, daemon=True)
         reader.start()
         reader.join(limit_s)
         return result[0] if result else None
@@ -208,7 +218,7 @@ class Watchdog:
             diagnosis = dataclasses.replace(
                 diagnosis,
                 message=diagnosis.message + " (the heartbeat store, on rank 0's host, did not "
-                "answer: that host may be unreachable)",
+                "answer: that host, or this one, may be cut off)",
             )
         log.error("%s", diagnosis.message)
         self._record(diagnosis, unreachable)
@@ -236,11 +246,15 @@ class Watchdog:
 
 
 def append_incident(run_dir: Path, incident: dict[str, Any]) -> None:
-    path = run_dir / "logs" / "incidents.jsonl"
+    append_line(run_dir / "logs" / "incidents.jsonl", incident)
+
+
+def append_line(path: Path, entry: dict[str, Any]) -> None:
+    """One JSON line, appended in one write: processes on several nodes may append at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, (json.dumps(incident) + "\n").encode())
+        os.write(fd, (json.dumps(entry) + "\n").encode())
     finally:
         os.close(fd)
 

@@ -56,9 +56,21 @@ class AtomicErrorHandler(ErrorHandler):
 
 
 _torch_post_init = ProcessFailure.__post_init__
+# Error file -> exit code of each failed worker the agent saw since the launcher last took
+# them (take_exit_codes): the agent logs only its first failure, and names a survivor it
+# SIGTERMed as readily as the rank that died.
+_EXIT_CODES: dict[str, int] = {}
+
+
+def take_exit_codes() -> dict[str, int]:
+    """The exit codes noted so far, by error file; forgotten once taken."""
+    codes = dict(_EXIT_CODES)
+    _EXIT_CODES.clear()
+    return codes
 
 
 def _tolerant_post_init(self: ProcessFailure) -> None:
+    _EXIT_CODES[str(self.error_file)] = self.exitcode
     try:
         _torch_post_init(self)
     except Exception as e:  # torch re-raises whatever json.load raised
@@ -69,7 +81,8 @@ def _tolerant_post_init(self: ProcessFailure) -> None:
 
 def tolerate_unreadable_error_files() -> None:
     """Make torch's agent read an empty or torn error file as a missing one (the failure is
-    still a failure; only its message is lost), so the job restarts as for any death."""
+    still a failure; only its message is lost), so the job restarts as for any death. Every
+    failure's exit code is also noted, for take_exit_codes."""
     ProcessFailure.__post_init__ = _tolerant_post_init  # type: ignore[method-assign]
 
 

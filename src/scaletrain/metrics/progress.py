@@ -151,6 +151,8 @@ def describe_recovery(r: dict[str, Any]) -> str:
     again 3.1 s later from the checkpoint of step 55 (4 steps redone)'."""
     who = f"rank {r['rank']}" if r.get("rank") is not None else "a worker"
     what = f"{who} {r.get('cause', 'failure')}"
+    if r.get("cause") == "node-joined":  # not a failure: the world was stopped to grow
+        what = "a node joined"
     if r["kind"] == "inplace":
         line = f"in place: {what} at step {r.get('failed_step')}; the other workers"
         if r.get("detected_s") is None:
