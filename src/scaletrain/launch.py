@@ -310,7 +310,6 @@ class _DeathRecorder(logging.Handler):
             return
         exitcode, local_rank, pid = args[:3]
         from scaletrain.fault.watchdog import append_incident
-
         from scaletrain.metrics.logs import take_exit_codes
 
         reported = self.logs.ranks.get(int(str(local_rank)), -1)
