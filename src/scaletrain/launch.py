@@ -55,11 +55,15 @@ class InternalFailure(RuntimeError):
 
 
 def check_names(cfg: RunConfig) -> None:
-    """Registry names are checked here, before any process starts."""
+    """Registry names, and the flags the run's mode honours (modes.py), are checked here,
+    before any process starts."""
     from scaletrain.data.datasets import DATASETS
     from scaletrain.models import MODELS
+    from scaletrain.modes import check_flags
     from scaletrain.strategies import strategy_class
     from scaletrain.task import OPTIMIZERS
+
+    check_flags(cfg)
 
     # Only the chosen strategy's module is imported: all of them cost every run ~1.5 s.
     strategy = strategy_class(cfg.train.strategy)

@@ -80,6 +80,18 @@ def test_without_restarts_the_survivors_finish_every_epoch(tmp_path):
     assert summary["replicas_agree"]
 
 
+def test_max_steps_ends_every_replica_at_that_step(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("run", "--recovery", "inplace", "--nproc-per-node", "2", "--epochs", "3",
+                     "--max-steps", "7", "--num-threads", "1", "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary, records = load(out)
+    assert summary["steps"] == 7
+    for rank in (0, 1):
+        assert [r["step"] for r in records if r["rank"] == rank] == list(range(1, 8))
+    assert summary["replicas_agree"]
+
+
 def test_inplace_refuses_what_it_cannot_do():
     base = {"recovery": "inplace"}
     for overrides, message in [

@@ -1,0 +1,78 @@
+"""The ways scaletrain runs a job, and the flags each one does not honour.
+
+- ``restart``: torch's elastic agent; the group restarts from the newest checkpoint when a
+  worker dies or hangs (trainer.py). Every flag applies.
+- ``inplace`` (``--recovery inplace``): torchft; survivors go on, a restarted replica heals
+  from a live peer (fault/inplace.py). Nothing is rolled back, so there are no checkpoints.
+- ``ps`` (``--strategy ps``): parameter servers and workers (strategies/param_server/).
+  The servers checkpoint their own partitions, always in the background; a silent worker is
+  dropped after --barrier-timeout-s, a silent node after --timeout-s.
+
+A flag a mode would ignore is refused before any process starts, with a message that names
+the mode, instead of meaning something else there or nothing at all.
+"""
+
+from __future__ import annotations
+
+from scaletrain.config import RunConfig
+
+MODES = ("restart", "inplace", "ps")
+# Measured: a hang injected under either mode left the job running until it was killed (the
+# survivors finish, the silent process never ends). Only the restart mode's watchdog ends it.
+_NO_HANG_WATCHDOG = (
+    "inject: under {name} nothing ends a silent worker process, so a hang would keep the job "
+    "from ever finishing; inject hang without {name} (the restart mode's watchdog ends it)"
+)
+
+
+def mode_of(cfg: RunConfig) -> str:
+    if cfg.train.strategy == "ps":
+        return "ps"
+    return "inplace" if cfg.fault.recovery == "inplace" else "restart"
+
+
+def _faults(cfg: RunConfig) -> set[str]:
+    return {item.split(":")[0].strip() for item in cfg.fault.inject.split(",") if item.strip()}
+
+
+def refusals(cfg: RunConfig) -> list[str]:
+    """Why ``cfg``'s mode cannot honour some of its flags: one line per flag, empty when it
+    honours them all."""
+    mode, faults = mode_of(cfg), _faults(cfg)
+    out = []
+    if mode == "inplace":
+        name = "--recovery inplace"
+        if cfg.fault.checkpoint_every:
+            out.append(
+                f"checkpoint_every: {name} keeps no checkpoints (nothing is rolled back; a "
+                "restarted replica copies a live peer's state); drop --checkpoint-every"
+            )
+        if cfg.fault.checkpoint_async:
+            out.append(f"checkpoint_async: {name} keeps no checkpoints; drop --checkpoint-async")
+        if "corrupt-checkpoint" in faults:
+            out.append(f"inject: {name} keeps no checkpoints to corrupt")
+        if "hang" in faults:
+            out.append(_NO_HANG_WATCHDOG.format(name=name))
+    if mode == "ps":
+        name = "--strategy ps"
+        if cfg.fault.hang_timeout_s:
+            out.append(
+                f"hang_timeout_s: under {name} a silent worker is dropped after "
+                "--barrier-timeout-s (bsp) and a silent node after --timeout-s; drop "
+                "--hang-timeout-s"
+            )
+        if "corrupt-checkpoint" in faults:
+            out.append(
+                f"inject: corrupt-checkpoint damages the trainer's checkpoints; under {name} "
+                "the servers keep their own"
+            )
+        if "hang" in faults:
+            out.append(_NO_HANG_WATCHDOG.format(name=name))
+    return out
+
+
+def check_flags(cfg: RunConfig) -> None:
+    """Raise ValueError listing every flag ``cfg``'s mode would not honour."""
+    problems = refusals(cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
