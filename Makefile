@@ -33,10 +33,13 @@ stress: install
 test-fast: install
 	$(BIN)/pytest tests/unit
 
+# The layering contract (cli -> launch -> trainer -> strategies -> ... nothing imports
+# upward) is a test, so `make test` and CI check it too.
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy src
+	$(BIN)/pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
 bench: install
 	$(BIN)/python benchmarks/ddp_overhead.py

@@ -129,9 +129,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_toml(args.config) if args.config else with_overrides(RunConfig(), base)
     cfg = with_overrides(cfg, {k: v for k, v in vars(args).items() if k in leaf_fields()})
     if getattr(args, "join_token", None):  # to the launcher's children, never to a file
-        from scaletrain.strategies.param_server.admission import TOKEN_ENV
+        from scaletrain import env
 
-        os.environ[TOKEN_ENV] = args.join_token
+        os.environ[env.JOIN_TOKEN] = args.join_token
     if getattr(args, "dry_run", False):
         from scaletrain.launch import describe_plan
 

@@ -2,9 +2,10 @@
 
 Every leaf field is also a command-line flag (``train.batch_size`` -> ``--batch-size``),
 so leaf names are unique across sections. Validation happens in ``__post_init__`` and
-raises ``ValueError`` naming the field. Names that live in registries (strategy,
-dataset, model, optimizer) are checked later by ``scaletrain.registry_check``, because the
-registries import torch and this module must stay cheap to import.
+raises ``ValueError`` naming the field. Names and specs that live in registries (strategy,
+dataset, model, optimizer, compressor, fault) are checked by the launcher before any process
+starts (launch.check_names): the registries are in the layers above, and this module, the
+bottom of the package, imports none of them.
 """
 
 from __future__ import annotations
@@ -243,8 +244,6 @@ class FaultSection:
     )
 
     def __post_init__(self) -> None:
-        from scaletrain.fault.inject import parse_inject
-
         _require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         _require(self.hang_timeout_s >= 0, "hang_timeout_s", "must be >= 0")
@@ -253,7 +252,6 @@ class FaultSection:
             "recovery",
             f"must be one of {', '.join(RECOVERY_MODES)}; got {self.recovery!r}",
         )
-        parse_inject(self.inject)
 
 
 @dataclass(kw_only=True)
@@ -275,9 +273,6 @@ class CommSection:
     )
 
     def __post_init__(self) -> None:
-        from scaletrain.compression.spec import parse_compression
-
-        parse_compression(self.compression)
         _require(self.bucket_mb > 0, "bucket_mb", f"must be > 0, got {self.bucket_mb}")
         _require(self.sync_every >= 1, "sync_every", f"must be >= 1, got {self.sync_every}")
         _require(self.outer_lr > 0, "outer_lr", f"must be > 0, got {self.outer_lr}")
@@ -398,54 +393,6 @@ class RunConfig:
     comm: CommSection = field(default_factory=CommSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     ps: PsSection = field(default_factory=PsSection)
-
-    def __post_init__(self) -> None:
-        """Checks that span sections (world-size checks wait for the launcher)."""
-        _require(
-            self.parallel.tp == 1 or self.train.strategy in ("tensor", "fsdp"),
-            "tp",
-            f"tensor parallelism runs under --strategy tensor or fsdp, not {self.train.strategy!r}",
-        )
-        if self.fault.recovery == "inplace":
-            _require(
-                self.train.strategy == "ddp",
-                "recovery",
-                f"inplace recovery runs data parallel training (--strategy ddp), not "
-                f"{self.train.strategy!r}",
-            )
-            _require(
-                self.comm.compression == "none",
-                "recovery",
-                "inplace recovery averages plain gradients; drop --compression",
-            )
-            lo, hi = parse_nnodes(self.launch.nnodes)
-            _require(
-                lo == hi,
-                "nnodes",
-                "inplace recovery starts a fixed set of replicas (the survivors of a lost node "
-                f"go on without it); pass --nnodes N, not {self.launch.nnodes!r}",
-            )
-        if self.train.strategy == "ps":
-            _require(
-                self.fault.recovery == "restart",
-                "recovery",
-                "the parameter server recovers its own way (a dead worker's data is dealt to "
-                "the others, a dead server reloads its partition); drop --recovery inplace",
-            )
-        if self.train.strategy == "pipeline":
-            m = self.parallel.microbatches
-            _require(
-                self.train.batch_size % m == 0,
-                "microbatches",
-                f"{m} does not divide the batch size {self.train.batch_size}: every "
-                "microbatch must have the same size",
-            )
-            _require(
-                self.train.drop_last,
-                "drop_last",
-                "pipeline needs --drop-last: every step must cut into microbatches of one "
-                "shape, so the epoch's last incomplete batch is dropped",
-            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from scaletrain import env
 from scaletrain.config import RunConfig, threads_per_worker
 
 
@@ -33,10 +34,18 @@ class DistContext:
     attempt: int  # the world's: the same on every rank, one more for every new world
     device: torch.device
     backend: str
+    # restart: one torch.distributed world, restarted as a whole by torch's elastic agent;
+    # inplace, ps: processes the launcher restarts one by one, with no world group.
+    mode: str = "restart"
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def shared_world(self) -> bool:
+        """Whether the job's processes are one torch.distributed world (the restart mode)."""
+        return self.mode == "restart"
 
 
 def die_with_parent() -> None:
@@ -82,14 +91,6 @@ def apply_determinism(cfg: RunConfig, local_world_size: int) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def loopback_store(timeout_s: float = 300.0) -> tuple[dist.TCPStore, socket.socket]:
-    """A TCPStore server that only this machine can reach (rendezvous.bound_store on
-    127.0.0.1, a free port). Keep the socket referenced as long as the store."""
-    from scaletrain.rendezvous import bound_store
-
-    return bound_store("127.0.0.1", 0, timeout_s)
-
-
 _STORE_LISTENERS: list[socket.socket] = []
 
 
@@ -97,17 +98,37 @@ def worker_store(timeout_s: float) -> dist.Store:
     """The worker group's TCPStore, as ``init_process_group``'s env:// would make it, except
     that rank 0 listens on one address: $SCALETRAIN_BIND (--bind), else MASTER_ADDR, the
     address the other ranks connect to (env:// would listen on every interface)."""
-    from scaletrain.rendezvous import BIND_ENV, bound_store
+    from scaletrain import env
+    from scaletrain.net import bound_store
 
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s)
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if rank == 0 and not agent_hosts:
-        store, listener = bound_store(os.environ.get(BIND_ENV) or addr, port, timeout_s)
+        store, listener = bound_store(os.environ.get(env.BIND) or addr, port, timeout_s)
         _STORE_LISTENERS.append(listener)
         return store
     return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+
+
+def fleet_context(cfg: RunConfig, mode: str) -> DistContext:
+    """A process the launcher supervises on its own (launch/fleet.py): its rank and attempt
+    from the environment the fleet gives it, no process group."""
+    local_rank = env.get_int(env.LOCAL_RANK)
+    device = pick_device(cfg, local_rank)
+    attempt = env.get_int(env.RESTART_COUNT)  # the fleet counts each rank's own attempts
+    return DistContext(
+        rank=env.get_int(env.RANK),
+        world_size=env.get_int(env.WORLD_SIZE),
+        local_rank=local_rank,
+        local_world_size=env.get_int(env.LOCAL_WORLD_SIZE, 1),
+        restart_count=attempt,
+        attempt=attempt,
+        device=device,
+        backend="nccl" if device.type == "cuda" else "gloo",
+        mode=mode,
+    )
 
 
 def init_distributed(cfg: RunConfig) -> DistContext:
@@ -122,7 +143,7 @@ def init_distributed(cfg: RunConfig) -> DistContext:
         timeout=datetime.timedelta(seconds=cfg.launch.timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
-    from scaletrain.rendezvous import ATTEMPT_ENV
+    from scaletrain import env
 
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return DistContext(
@@ -131,7 +152,7 @@ def init_distributed(cfg: RunConfig) -> DistContext:
         local_rank=local_rank,
         local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
         restart_count=restart_count,
-        attempt=int(os.environ.get(ATTEMPT_ENV, restart_count)),
+        attempt=int(os.environ.get(env.ATTEMPT, restart_count)),
         device=device,
         backend=backend,
     )

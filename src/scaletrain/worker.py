@@ -18,9 +18,16 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from scaletrain import env
 from scaletrain.config import load_toml
 from scaletrain.metrics.logs import AtomicErrorHandler
-from scaletrain.runtime import apply_determinism, die_with_parent, init_distributed, redirect_output
+from scaletrain.runtime import (
+    apply_determinism,
+    die_with_parent,
+    fleet_context,
+    init_distributed,
+    redirect_output,
+)
 
 # Objects that hold process groups (DDP's Reducer) stay referenced until os._exit: see exit_now.
 _KEEP_ALIVE: list[object] = []
@@ -42,7 +49,7 @@ def main(argv: list[str]) -> None:
         "worker start: rank %s of %s, attempt %s (this node's restarts: %s), pid %d",
         rank,
         os.environ["WORLD_SIZE"],
-        os.environ.get("SCALETRAIN_ATTEMPT", restart),
+        os.environ.get(env.ATTEMPT, restart),
         restart,
         os.getpid(),
     )
@@ -53,19 +60,16 @@ def main(argv: list[str]) -> None:
 
     cfg = load_toml(run_dir / "config.toml")
     apply_determinism(cfg, int(os.environ["LOCAL_WORLD_SIZE"]))
-    if cfg.train.strategy == "ps":  # a parameter server or one of its workers
-        from scaletrain.strategies.param_server.entry import run_process
+    mode = os.environ.get(env.MODE, "restart")
+    if mode == "ps":
+        from scaletrain.strategies.param_server.entry import is_server, serve
 
-        run_process(cfg, run_dir)
-        return
-    if os.environ.get("SCALETRAIN_RECOVERY") == "inplace":  # a torchft replica of its own
-        from scaletrain.fault.inplace import InplaceTrainer
-
-        inplace = InplaceTrainer(cfg, build_task(cfg), run_dir)
-        _KEEP_ALIVE.append(inplace)
-        inplace.fit()
-        return
-    ctx = init_distributed(cfg)
+        if is_server():  # a parameter server: its own update loop, not the trainer's
+            serve(cfg, run_dir)
+            return
+    # The restart mode's processes form one torch.distributed world; the others (torchft
+    # replicas, parameter-server workers) are each supervised on their own (lifecycle.py).
+    ctx = init_distributed(cfg) if mode == "restart" else fleet_context(cfg, mode)
     try:
         trainer = Trainer(cfg, ctx, build_task(cfg), run_dir)
         _KEEP_ALIVE.append(trainer)
@@ -75,7 +79,8 @@ def main(argv: list[str]) -> None:
                 "done: %s", {k: summary[k] for k in ("steps", "samples_per_s", "test_accuracy")}
             )
     finally:
-        dist.destroy_process_group()
+        if ctx.shared_world:
+            dist.destroy_process_group()
 
 
 def exit_now(code: int) -> None:

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from scaletrain.config import RunConfig, with_overrides
+from scaletrain.launch import describe_plan
 
 from tests.conftest import assert_no_orphans, run_cli
 
@@ -100,4 +101,4 @@ def test_inplace_refuses_what_it_cannot_do():
         ({"compression": "fp16"}, "drop --compression"),
     ]:
         with pytest.raises(ValueError, match=message):
-            with_overrides(RunConfig(), {**base, **overrides})
+            describe_plan(with_overrides(RunConfig(), {**base, **overrides}))

@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 
 from scaletrain.config import RunConfig, with_overrides
-from scaletrain.memory_budget import check_memory_budget
+from scaletrain.launch.memory import check_memory_budget
 from scaletrain.strategies.pipeline import balanced_cuts, plan_stages
 from tests.conftest import assert_no_orphans, run_cli
 from tests.dist.test_equivalence import GLOBAL_BATCH, train

@@ -38,7 +38,7 @@ def client(port: int) -> TCPStore:
 
 
 class Worker:
-    """The protocol as client.py speaks it, one message at a time."""
+    """The protocol as the worker strategy (worker.py) speaks it, one message at a time."""
 
     def __init__(self, port: int, worker: int, attempt: int = 0, token: str = TOKEN) -> None:
         store = client(port)
@@ -56,7 +56,7 @@ class Worker:
         _WORKERS.append(self)
 
     def close(self) -> None:
-        """Leave as client.py does at the end: DONE, so the server's handler returns."""
+        """Leave as the worker strategy does at the end: DONE, so the server's handler returns."""
         try:
             self.link.send(tp.header(kind=tp.Kind.DONE, worker=self.worker, attempt=self.attempt))
         except RuntimeError:  # the server is gone already

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from scaletrain.metrics.sinks import read_jsonl
+from scaletrain.io import read_jsonl
 
 from tests.conftest import (
     REPO,

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from scaletrain import env
+
 from tests.conftest import assert_no_orphans, run_cli
 
-SEED = int(os.environ.get("SCALETRAIN_STRESS_SEED", "20261201"))
-DRAWS = int(os.environ.get("SCALETRAIN_RESUME_DRAWS", "6"))
+SEED = int(os.environ.get(env.STRESS_SEED, "20261201"))
+DRAWS = int(os.environ.get(env.RESUME_DRAWS, "6"))
 STRATEGIES = ("ddp", "fsdp", "local_sgd")
 
 

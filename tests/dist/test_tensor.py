@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from scaletrain.launch import describe_plan
 from scaletrain.config import RunConfig, with_overrides
 from scaletrain.models import build_model
-from scaletrain.strategies.tensor import check_tensor_parallel
+from scaletrain.strategies.dtensor import check_tensor_parallel
 
 from tests.dist.test_equivalence import GLOBAL_BATCH, train
 
@@ -81,4 +82,4 @@ def test_tensor_parallel_checks():
     with pytest.raises(ValueError, match="has no tensor_parallel_plan"):
         check_tensor_parallel(nn.Sequential(nn.Linear(4, 4)), 2, 2)
     with pytest.raises(ValueError, match="tensor parallelism runs under --strategy tensor or fsdp"):
-        with_overrides(RunConfig(), {"tp": 2})
+        describe_plan(with_overrides(RunConfig(), {"tp": 2, "nproc_per_node": 2}))

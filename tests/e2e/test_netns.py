@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.metrics.sinks import read_jsonl
+from scaletrain.io import read_jsonl
 from scaletrain.netns import NetworkLab, parse_rate, sweep_stale, tbf_args, unavailable_reason
 
 REASON = unavailable_reason()

@@ -56,7 +56,7 @@ def test_a_rank_the_agent_stopped_is_not_named_for_the_rank_that_died(tmp_path):
     (its earliest failure, rank 0) is where the death record starts."""
     import signal
 
-    from scaletrain.launch import _DeathRecorder
+    from scaletrain.launch.agent import _DeathRecorder
     from scaletrain.metrics.logs import take_exit_codes, tolerate_unreadable_error_files
 
     tolerate_unreadable_error_files()

@@ -154,7 +154,7 @@ def test_a_heartbeat_store_that_fails_is_unreachable_not_a_silent_rank(tmp_path)
     other rank stopped sending heartbeats", which would name the healthy ranks as culprits."""
     import gc
 
-    from scaletrain.runtime import loopback_store
+    from scaletrain.net import loopback_store
 
     server, listener = loopback_store(5.0)
     watchdog = Watchdog(rank=1, world_size=2, attempt=0, timeout_s=1.0, run_dir=tmp_path)
@@ -335,11 +335,10 @@ def test_error_files_appear_whole_or_not_at_all(tmp_path, monkeypatch):
 
     path.unlink()
 
-    def torn_dump(obj, f):  # the process dies halfway through the write
-        f.write('{"message": ')
+    def dies(fd):  # the process dies after the bytes went out, before the rename
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("scaletrain.metrics.logs.json.dump", torn_dump)
+    monkeypatch.setattr("scaletrain.io.os.fsync", dies)
     with pytest.raises(KeyboardInterrupt):
         handler.record_exception(RuntimeError("boom"))
     assert not path.exists()
@@ -347,7 +346,7 @@ def test_error_files_appear_whole_or_not_at_all(tmp_path, monkeypatch):
 
 def test_jsonl_readers_skip_a_torn_last_line(tmp_path):
     """A writer killed mid-append leaves half a line; every reader takes the whole ones."""
-    from scaletrain.metrics.sinks import read_jsonl
+    from scaletrain.io import read_jsonl
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')

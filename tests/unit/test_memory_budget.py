@@ -4,7 +4,7 @@ import pytest
 from torch import nn
 
 from scaletrain.config import RunConfig, with_overrides
-from scaletrain.memory_budget import check_memory_budget
+from scaletrain.launch.memory import check_memory_budget
 from scaletrain.strategies.fsdp import unit_bytes
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from scaletrain.config import RunConfig, with_overrides
 from scaletrain.launch import describe_plan
-from scaletrain.modes import mode_of
+from scaletrain.launch.modes import mode_of
 from tests.conftest import REPO, run_cli
 
 MODES = {

@@ -153,13 +153,13 @@ def test_bad_parameter_server_settings_name_the_field(ps, message):
 
 
 def test_a_world_with_no_worker_is_refused():
-    from scaletrain.strategies.param_server import ParameterServer
+    from scaletrain.strategies.param_server.worker import PSWorkerStrategy
 
     cfg = RunConfig()
     cfg.ps.num_servers = 2
     with pytest.raises(ValueError, match="2 servers leave no worker in a world of 2"):
-        ParameterServer.check_config(cfg, 2, None)
-    ParameterServer.check_config(cfg, 3, None)
+        PSWorkerStrategy.check_config(cfg, 2, None)
+    PSWorkerStrategy.check_config(cfg, 3, None)
 
 
 def test_bsp_max_steps_counts_steps_across_an_epoch_boundary():

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from scaletrain.rendezvous import UNREACHABLE_EXIT_CODE, bound_store, interface_of, listen_socket
+from scaletrain.launch.rendezvous import UNREACHABLE_EXIT_CODE
+from scaletrain.net import bound_store, interface_of, listen_socket
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux interface ioctl")
@@ -33,7 +34,7 @@ def test_an_address_of_another_machine_is_refused_naming_bind():
 def test_a_store_call_that_never_returns_ends_the_node_with_a_reason():
     code = """
 import time
-from scaletrain.rendezvous import _CallTimer, _guarded
+from scaletrain.launch.rendezvous import _CallTimer, _guarded
 
 class Stuck:  # a backend whose store never answers, like torch's client on a cut link
     name = "c10d"

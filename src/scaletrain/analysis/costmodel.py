@@ -38,7 +38,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from scaletrain.metrics.sinks import read_jsonl
+from scaletrain.io import read_jsonl
 
 GATHER_COMPRESSORS = ("topk", "sign")
 

@@ -36,7 +36,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from scaletrain.metrics.sinks import read_jsonl  # noqa: E402
+from scaletrain.io import read_jsonl  # noqa: E402
 
 
 class Run:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from scaletrain import env
 from scaletrain.registry import lookup
 
 
@@ -62,8 +63,8 @@ class TensorImageDataset(ImageDataset):
 def cache_dir() -> Path:
     """Where built-in data is cached: $SCALETRAIN_CACHE, else $XDG_CACHE_HOME/scaletrain, else
     ~/.cache/scaletrain."""
-    if os.environ.get("SCALETRAIN_CACHE"):
-        return Path(os.environ["SCALETRAIN_CACHE"])
+    if os.environ.get(env.CACHE):
+        return Path(os.environ[env.CACHE])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "scaletrain"
 

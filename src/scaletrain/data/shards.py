@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from scaletrain.data.datasets import ImageDataset
-from scaletrain.fault.checkpoint import atomic_write_json
+from scaletrain.io import atomic_write_json
 
 FORMAT = "scaletrain-shards/1"
 MANIFEST = "manifest.json"

@@ -1,10 +1,8 @@
-"""Atomic files and checkpoints: a reader sees the old file or the new one, never half.
-
-Writes go to a temporary file in the same directory, are fsynced, renamed over the target,
-and the directory is fsynced so the rename itself survives a crash. Checkpoints are
-``step-<N>.pt`` files listed with their sha256 in ``index.json``; loading takes the newest one
-whose bytes still match, with ``weights_only=True``. What goes into a checkpoint is the
-trainer's business (trainer.py); ``AsyncCheckpointer`` writes it in the background.
+"""Checkpoints: ``step-<N>.pt`` files listed with their sha256 in ``index.json``, each
+written atomically (scaletrain.io: a reader sees the old file or the new one, never half);
+loading takes the newest one whose bytes still match, with ``weights_only=True``. What goes
+into a checkpoint is the trainer's business (trainer.py); ``AsyncCheckpointer`` writes it in
+the background.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import io
 import json
 import os
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -22,36 +19,7 @@ from typing import Any
 
 import torch
 
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600; run files are meant to be shared
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
-
-
-def atomic_torch_save(path: Path, obj: Any) -> None:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
-
+from scaletrain.io import atomic_write_bytes, atomic_write_json, fsync_dir, torch_bytes
 
 CHECKPOINT_INDEX = "index.json"
 PREVIOUS_INDEX = "index.prev.json"
@@ -76,11 +44,7 @@ def publish_dir(tmp: Path, final: Path) -> str:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    dir_fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(final.parent)
     return digest
 
 
@@ -97,9 +61,7 @@ def save_checkpoint(
     The index is rewritten atomically after the checkpoint file is in place, so it only ever
     names complete files; it keeps the newest ``keep`` entries and older files are removed.
     """
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
+    data = torch_bytes(state)
     path = directory / f"step-{step:08d}.pt"
     entries = [e for e in read_index(directory) if e["step"] != step]
     try:
@@ -195,9 +157,7 @@ _DIGEST = b"sha256:"
 def save_rank_state(path: Path, state: Any) -> None:
     """A per-rank state file that carries its own checksum: "sha256:<hex>\n" then torch.save
     bytes (rank 0 cannot list every rank's digest in index.json without a collective)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
+    data = torch_bytes(state)
     atomic_write_bytes(path, _DIGEST + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
 
 

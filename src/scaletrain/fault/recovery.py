@@ -32,10 +32,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from scaletrain.data.sampler import GlobalBatchSampler
 from scaletrain.fault.checkpoint import load_latest, load_rank_state, rng_path
-from scaletrain.metrics.sinks import read_jsonl
-from scaletrain.strategies.base import Strategy
+from scaletrain.io import read_jsonl
 
 log = logging.getLogger("scaletrain.recovery")
 
@@ -66,25 +64,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def checkpoint_state(
-    strategy: Strategy,
-    sampler: GlobalBatchSampler,
+    training: dict[str, Any],
     progress: Progress,
     config_hash: str,
     rng_states: list[dict[str, Any]],
-    strategy_state: dict[str, Any] | None = None,
+    world_size: int,
 ) -> dict[str, Any]:
-    """``rng_states``: rank 0's rng_state() (the fallback; each rank also writes its own).
-    ``strategy_state`` replaces strategy.state_dict() (a marker, for sharded strategies whose
-    state lives in a DCP directory beside the checkpoint)."""
+    """``training``: the loop's training state ({"strategy": ..., "sampler": the plan's});
+    ``rng_states``: rank 0's rng_state() (the fallback; each rank also writes its own)."""
     return {
-        "strategy": strategy.state_dict() if strategy_state is None else strategy_state,
-        "sampler": sampler.state_dict(),
+        **training,
         "progress": asdict(progress),
         "rng": rng_states,
         "config_hash": config_hash,
         # Every rank of this world writes its own state file beside the checkpoint; one that
         # is missing means that rank never got there (checked at resume).
-        "world_size": strategy.ctx.world_size,
+        "world_size": world_size,
     }
 
 
@@ -175,9 +170,9 @@ def note_recovery(run_dir: Path, entry: dict[str, Any]) -> None:
     when the recovery completes). A checkpoint carries the recoveries before it, so a restart
     whose world failed again before its next checkpoint is in no checkpoint: this file keeps
     it for summary.json."""
-    from scaletrain.fault.watchdog import append_line
+    from scaletrain.io import append_jsonl
 
-    append_line(run_dir / "logs" / "recoveries.jsonl", entry)
+    append_jsonl(run_dir / "logs" / "recoveries.jsonl", entry)
 
 
 def run_recoveries(run_dir: Path, carried: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -219,17 +214,17 @@ def own_state(
 
 def resume(
     checkpoints: Path,
-    strategy: Strategy,
-    sampler: GlobalBatchSampler,
+    restore: Callable[[dict[str, Any], dict[str, Any] | None], None],
     *,
+    data_world_size: int,
     rank: int,
     config_hash: str,
     attempt: int,
     metrics: Path,
     all_agree: Callable[[bool], bool] = lambda ok: ok,
 ) -> Progress | None:
-    """Load the newest valid checkpoint into ``strategy`` and ``sampler`` (and this process's
-    own state, global rank ``rank``, where it has one). None on a first
+    """Load the newest valid checkpoint through ``restore(state, rank_part)`` (the loop's
+    training state, and this process's own part, global rank ``rank``, or None). None on a first
     attempt without one; a restarted attempt without one starts from step 0, and either way
     the restart is recorded in the returned progress's recoveries.
 
@@ -261,10 +256,7 @@ def resume(
             f"(config hash {state['config_hash']}, this run {config_hash})"
         )
     if state is not None:
-        strategy.load_state_dict(state["strategy"])
-        if rank_part is not None:
-            strategy.load_rank_state_dict(rank_part)
-        sampler.load_state_dict(state["sampler"])
+        restore(state, rank_part)
         set_rng_state(rng)
         progress = Progress(**state["progress"])
     else:  # died before the first checkpoint: everything is redone from the start
@@ -277,7 +269,7 @@ def resume(
         {
             "kind": "restart",
             "attempt": attempt,
-            "world_size": sampler.world_size,
+            "world_size": data_world_size,
             "step": progress.step,
             "lost_steps": max(0, reached - progress.step),
             "skipped_checkpoints": len(skipped),
@@ -286,7 +278,5 @@ def resume(
     )
     if rank == 0:
         note_recovery(metrics.parent, progress.recoveries[-1])
-    log.info(
-        "resumed at step %d, epoch %d, cursor %d", progress.step, progress.epoch, sampler.cursor
-    )
+    log.info("resumed at step %d, epoch %d", progress.step, progress.epoch)
     return progress

@@ -34,7 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from scaletrain.fault.checkpoint import atomic_write_json
+from scaletrain.io import append_jsonl, atomic_write_json
 
 log = logging.getLogger("scaletrain.watchdog")
 
@@ -124,7 +124,21 @@ def _connect_store(timeout_s: float) -> Any:
     )
 
 
-class Watchdog:
+class NullWatchdog:
+    """Where no group store holds heartbeats (processes the launcher supervises one by one:
+    in-place replicas, parameter-server workers), the loop marks its phases all the same."""
+
+    def enter(self, step: int, phase: str, collective: str = "") -> None:
+        return None
+
+    def start(self) -> NullWatchdog:
+        return self
+
+    def stop(self) -> None:
+        return None
+
+
+class Watchdog(NullWatchdog):
     def __init__(
         self, *, rank: int, world_size: int, attempt: int, timeout_s: float, run_dir: Path
     ) -> None:
@@ -246,17 +260,7 @@ class Watchdog:
 
 
 def append_incident(run_dir: Path, incident: dict[str, Any]) -> None:
-    append_line(run_dir / "logs" / "incidents.jsonl", incident)
-
-
-def append_line(path: Path, entry: dict[str, Any]) -> None:
-    """One JSON line, appended in one write: processes on several nodes may append at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (json.dumps(entry) + "\n").encode())
-    finally:
-        os.close(fd)
+    append_jsonl(run_dir / "logs" / "incidents.jsonl", incident)
 
 
 def write_error_file(message: str) -> None:

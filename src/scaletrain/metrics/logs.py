@@ -29,6 +29,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
+from scaletrain.io import atomic_write_bytes
+
 log = logging.getLogger("scaletrain.logs")
 
 
@@ -49,10 +51,7 @@ class AtomicErrorHandler(ErrorHandler):
                 },
             }
         }
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        atomic_write_bytes(Path(path), json.dumps(data).encode())
 
 
 _torch_post_init = ProcessFailure.__post_init__

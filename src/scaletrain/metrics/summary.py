@@ -64,6 +64,17 @@ class RankTotals:
     # The hash of this rank's whole replica at the end ("" where a rank holds only a part of
     # the model: fsdp, tensor, pipeline). Data-parallel replicas must agree bit for bit.
     params_sha256: str = ""
+    # The end of this process's run: its attempt, the loop's progress (step, samples trained
+    # over all ranks), its wall time from the first step, and its share of the evaluation
+    # (test samples it scored and how many it got right; 0, 0 when it scored none).
+    attempt: int = 0
+    step: int = 0
+    samples_trained: int = 0
+    wall_s: float = 0.0
+    test_correct: float = 0.0
+    test_total: float = 0.0
+    device: str = "cpu"
+    steps_per_epoch: int = 0  # under this process's last membership
 
     def add(self, record: dict[str, Any]) -> None:
         self.steps += 1
@@ -79,6 +90,65 @@ class RankTotals:
         if "stage_busy_s" in record and self.steps > 1:
             self.stage_busy_s += record["stage_busy_s"]
             self.stage_idle_s += record["stage_idle_s"]
+
+
+def accuracy(counts: list[tuple[float, float]]) -> float | None:
+    """Test accuracy from the (correct, total) counts of every part of the evaluation."""
+    total = sum(t for _, t in counts)
+    return sum(c for c, _ in counts) / total if total > 0 else None
+
+
+def run_info(cfg: Any, *, data_world_size: int, steps_per_epoch: int | None) -> dict[str, Any]:
+    """summary.json's description of the run, the same in every mode."""
+    from scaletrain import __version__
+
+    return {
+        "strategy": cfg.train.strategy,
+        "batch_size_per_worker": cfg.train.batch_size,
+        "global_batch_size": cfg.train.batch_size * data_world_size,
+        "epochs": cfg.train.epochs,
+        "steps_per_epoch": steps_per_epoch,
+        "config_hash": cfg.hash(),
+        "scaletrain_version": __version__,
+        "torch_version": torch.__version__,
+    }
+
+
+def summarize(
+    finals: list[RankTotals],
+    *,
+    steps: int,
+    samples: int,
+    recoveries: list[dict[str, Any]],
+    checkpoint_s: float,
+    params_hash: str,
+    info: dict[str, Any],
+    wall_s: float | None = None,
+    test_counts: list[tuple[float, float]] | None = None,
+) -> dict[str, Any]:
+    """summary.json from every process's final totals, in every mode: rank 0 of a restart
+    mode world gathers them; the launchers of in-place recovery and the parameter server read
+    them from logs/final/. ``wall_s``: default the longest process's; ``test_counts``: the
+    evaluation's parts, by default the processes' own."""
+    counts = test_counts if test_counts is not None else [
+        (r.test_correct, r.test_total) for r in finals
+    ]  # fmt: skip
+    return build_summary(
+        finals,
+        wall_s=wall_s if wall_s is not None else max(r.wall_s for r in finals),
+        checkpoint_s=checkpoint_s,
+        progress=_Totals(step=steps, samples_trained=samples, recoveries=recoveries),
+        test_accuracy=accuracy(counts),
+        params_hash=params_hash,
+        info={**info, "device": finals[0].device},
+    )
+
+
+@dataclass(kw_only=True)
+class _Totals:
+    step: int
+    samples_trained: int
+    recoveries: list[dict[str, Any]]
 
 
 def build_summary(

@@ -2,8 +2,8 @@
 
 Each strategy's module is imported only when it is asked for: a worker imports the one it
 runs (torch.distributed.pipelining alone adds about a second to a worker's start on 2 cores,
-and every restart pays a worker's start). ``STRATEGIES`` (all of them, for the launcher's
-checks) imports every module on first use.
+and every restart pays a worker's start). ``all_strategies()`` (for the launcher's
+checks) imports every one.
 """
 
 from __future__ import annotations
@@ -22,29 +22,37 @@ _CLASSES: dict[str, str] = {
     "fsdp": "scaletrain.strategies.fsdp:FSDPStrategy",
     "pipeline": "scaletrain.strategies.pipeline:PipelineStrategy",
     "tensor": "scaletrain.strategies.tensor:TensorStrategy",
-    "ps": "scaletrain.strategies.param_server:ParameterServer",
+    "ps": "scaletrain.strategies.param_server.worker:PSWorkerStrategy",
+}
+# What a mode runs in place of the strategy the user named (the launcher checks the pair).
+_MODE_CLASSES: dict[str, str] = {
+    "inplace": "scaletrain.strategies.inplace:InplaceStrategy",
 }
 
 
-def strategy_class(name: str) -> type[StrategyChecks]:
+def strategy_class(name: str) -> type[Strategy]:
     module, _, cls = lookup(_CLASSES, name, "strategy", "strategies").partition(":")
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 
-def build_strategy(name: str, ctx: DistContext, cfg: RunConfig) -> Strategy:
-    cls = strategy_class(name)
-    assert issubclass(cls, Strategy), f"{name} runs its own loop ({cls.launcher})"
+def build_strategy(cfg: RunConfig, ctx: DistContext) -> Strategy:
+    """The strategy this process steps with: the one the user named, or the one its mode
+    runs in its place (torchft's for in-place recovery)."""
+    target = _MODE_CLASSES.get(ctx.mode)
+    if target is None:
+        return strategy_class(cfg.train.strategy)(ctx, cfg)
+    module, _, name = target.partition(":")
+    cls: type[Strategy] = getattr(importlib.import_module(module), name)
     return cls(ctx, cfg)
 
 
-def __getattr__(attr: str) -> dict[str, type[StrategyChecks]]:
-    if attr == "STRATEGIES":
-        return {name: strategy_class(name) for name in _CLASSES}
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+def all_strategies() -> dict[str, type[Strategy]]:
+    """Every strategy's class (imports every module: for the launcher's checks)."""
+    return {name: strategy_class(name) for name in _CLASSES}
 
 
 __all__ = [
-    "STRATEGIES",
+    "all_strategies",
     "Batch",
     "StepResult",
     "Strategy",

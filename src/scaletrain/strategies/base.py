@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import RunConfig
+from scaletrain.data.plans import BatchPlan, SamplerPlan
 from scaletrain.runtime import DistContext
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -41,7 +42,12 @@ class StepResult:
     comm (gradient communication in flight, hidden or not), wait (blocked on communication).
     ``comm_bytes``: bytes this rank sent (metrics/timers.sent_bytes); ``dense_bytes``: what
     it would have sent without compression (None: the same).
-    ``extras`` go into metrics.jsonl as they are (e.g. staleness)."""
+    ``committed``: False when nothing was applied (a peer failed mid-step under torchft): the
+    loop then neither advances the plan nor records the step, and the samples are dealt
+    again. ``samples``: what the step trained when not the batch's share (a push the
+    parameter servers did not apply trained none). ``overlap``: how much communication was
+    hidden, when the strategy knows better than the loop's estimate (0 for blocking round
+    trips). ``extras`` go into metrics.jsonl as they are (e.g. staleness)."""
 
     loss: torch.Tensor
     compute_s: float
@@ -49,6 +55,9 @@ class StepResult:
     wait_s: float
     comm_bytes: int = 0
     dense_bytes: int | None = None
+    committed: bool = True
+    samples: int | None = None
+    overlap: float | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -72,20 +81,22 @@ def replica_memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 
 class StrategyChecks:
-    """What the launcher asks a strategy before any process starts (class level). Most
-    strategies are a ``Strategy`` that the trainer's loop drives; one that brings its own
-    processes and loop (the parameter server) names its launcher in ``launcher``
-    ("module:function", called as function(cfg, run_dir, show_progress))."""
+    """What the launcher asks a strategy before any process starts (class level)."""
 
     # Whether gradients pass through DDP comm hooks, so --compression applies.
     supports_compression: ClassVar[bool] = False
-    launcher: ClassVar[str] = ""
 
     @classmethod
     def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
         """Raise ValueError for a configuration this strategy cannot run, before any worker
-        starts (the launcher passes the model only when ``checks_model``)."""
-        return None
+        starts (the launcher passes the model only when ``checks_model``). The default
+        refuses tensor parallelism, which only strategies holding DTensors can run; an
+        override calls it unless it runs --tp."""
+        if cfg.parallel.tp != 1:
+            raise ValueError(
+                f"tp: tensor parallelism runs under --strategy tensor or fsdp, not "
+                f"{cfg.train.strategy!r}"
+            )
 
     @classmethod
     def checks_model(cls, cfg: RunConfig) -> bool:
@@ -103,14 +114,20 @@ class StrategyChecks:
 
 
 class Strategy(StrategyChecks, ABC):
-    # The collective a train step waits in, as hang reports name it (fault/watchdog.py).
+    # The collective a train step waits in, as hang reports name it (fault/watchdog.py); the
+    # one the plan waits in before a step, and the one reading ``model`` takes part in.
     collective: ClassVar[str] = "gradient all-reduce"
+    plan_collective: ClassVar[str] = ""
+    collective_of_model: ClassVar[str] = ""
     # Sharded state: when a checkpoint is due every rank calls save_sharded(dir) (a collective,
     # through torch.distributed.checkpoint), and load_state_dict receives {"dcp": dir}.
     collective_state_dict: ClassVar[bool] = False
     # Every rank holds the whole model (data parallelism): the ranks' final weights are
     # hashed and compared (summary.json's replicas_agree).
     holds_replica: ClassVar[bool] = False
+    # The final model is on this process at the end (not so for a parameter-server worker:
+    # the servers hold it), so it evaluates its part of the test split.
+    holds_final_model: ClassVar[bool] = True
 
     def __init__(self, ctx: DistContext, cfg: RunConfig) -> None:
         self.ctx = ctx
@@ -119,6 +136,32 @@ class Strategy(StrategyChecks, ABC):
     @abstractmethod
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
         """Wrap the model, build the optimizer. Called once, before the first step."""
+
+    def build_plan(self, dataset: Any) -> BatchPlan:
+        """Which samples each step trains here (data/plans.py): by default the sampler's plan
+        over this strategy's data-parallel ranks."""
+        return SamplerPlan(
+            dataset,
+            self.cfg,
+            data_rank=self.data_rank,
+            data_world_size=self.data_world_size,
+            device=self.ctx.device,
+        )
+
+    def bind_state(
+        self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
+    ) -> None:
+        """The loop's whole training state (strategy, plan, progress), for a strategy that
+        copies it between processes (a healing torchft replica). Default: not needed."""
+        return None
+
+    def eval_part(self) -> tuple[int, int]:
+        """(part, parts): which balanced slice of the test split this process scores."""
+        return self.ctx.rank, self.ctx.world_size
+
+    def close(self) -> None:
+        """Called last, after the world reported: release what setup started."""
+        return None
 
     @abstractmethod
     def train_step(self, batch: Batch) -> StepResult:

@@ -48,6 +48,11 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain.config import RunConfig
 from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult, Strategy
+from scaletrain.strategies.dtensor import (
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    tensor_parallel_mesh,
+)
 
 
 def unit_bytes(model: nn.Module) -> tuple[int, int]:
@@ -89,8 +94,6 @@ class FSDPStrategy(Strategy):
         self.tp = self.cfg.parallel.tp
         self.dp = self.ctx.world_size // self.tp
         if self.tp > 1:  # fsdp x tensor: split layers over "tp", then shard over "dp"
-            from scaletrain.strategies.tensor import apply_tensor_parallel, tensor_parallel_mesh
-
             mesh_2d = tensor_parallel_mesh(self.ctx, self.tp)
             apply_tensor_parallel(model, mesh_2d)
             mesh = mesh_2d["dp"]
@@ -114,8 +117,6 @@ class FSDPStrategy(Strategy):
     @classmethod
     def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
         if cfg.parallel.tp > 1:
-            from scaletrain.strategies.tensor import check_tensor_parallel
-
             check_tensor_parallel(model, cfg.parallel.tp, world_size)
 
     @property

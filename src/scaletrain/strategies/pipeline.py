@@ -181,6 +181,18 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
+        super().check_config(cfg, world_size, model)
+        m = cfg.parallel.microbatches
+        if cfg.train.batch_size % m:
+            raise ValueError(
+                f"microbatches: {m} does not divide the batch size {cfg.train.batch_size}: "
+                "every microbatch must have the same size"
+            )
+        if not cfg.train.drop_last:
+            raise ValueError(
+                "drop_last: pipeline needs --drop-last: every step must cut into microbatches "
+                "of one shape, so the epoch's last incomplete batch is dropped"
+            )
         pipeline_shape(cfg, world_size)
         if model is not None:
             plan_stages(model, pipeline_shape(cfg, world_size)[1], cfg.parallel.split_points)

@@ -8,7 +8,8 @@ Layout: a (data parallel D) x (tensor parallel T) mesh, W = D x T; the T ranks o
 consecutive (on one host, where their per-layer all-reduces are cheapest). With D > 1 the
 groups are replicas: ``--strategy tensor`` averages gradients over "dp" (an all-reduce of
 each rank's local shards, weighted by samples, timed as communication), and ``--strategy fsdp
---tp T`` shards them over "dp" instead (``tensor_parallel_mesh`` is shared with fsdp.py).
+--tp T`` shards them over "dp" instead (the mesh and the split are dtensor.py's, shared
+with fsdp.py).
 
 The model must say how to split itself: a ``tensor_parallel_plan()`` method that returns
 {module name: ColwiseParallel() | RowwiseParallel()} (the built-in transformer has one), and
@@ -29,71 +30,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 from scaletrain.config import RunConfig
 from scaletrain.metrics.timers import sent_bytes
-from scaletrain.runtime import DistContext
 from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult
+from scaletrain.strategies.dtensor import (
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    flat_zeros,
+    local,
+    tensor_parallel_mesh,
+)
 from scaletrain.strategies.fsdp import FSDPStrategy
-
-
-def check_tensor_parallel(model: nn.Module | None, tp: int, world_size: int) -> None:
-    """ValueError when ``tp`` cannot split this world or this model."""
-    if world_size % tp:
-        raise ValueError(
-            f"tp: {tp} does not divide the world size {world_size}; the world must hold a "
-            "whole number of tensor-parallel groups"
-        )
-    if model is None or tp == 1:
-        return
-    plan_fn = getattr(model, "tensor_parallel_plan", None)
-    if plan_fn is None:
-        raise ValueError(
-            f"tp: model {type(model).__name__} has no tensor_parallel_plan() saying which "
-            "layers to split; the built-in transformer (--model transformer) has one"
-        )
-    for what, size in getattr(model, "tensor_parallel_divisors", dict)().items():
-        if size % tp:
-            raise ValueError(f"tp: {tp} does not divide {what} ({size})")
-    modules = dict(model.named_modules())
-    for name, style in plan_fn().items():
-        layer = modules.get(name)
-        if not isinstance(layer, nn.Linear):
-            raise ValueError(f"tp: the plan names {name!r}, which is not a Linear of the model")
-        rows = isinstance(style, RowwiseParallel)
-        size = layer.in_features if rows else layer.out_features
-        if size % tp:
-            kind = "input" if rows else "output"
-            raise ValueError(
-                f"tp: {tp} does not divide the hidden size {size} ({kind} features of {name})"
-            )
-
-
-def tensor_parallel_mesh(ctx: DistContext, tp: int) -> DeviceMesh:
-    """The (dp, tp) mesh of this world."""
-    check_tensor_parallel(None, tp, ctx.world_size)
-    return init_device_mesh(
-        ctx.device.type, (ctx.world_size // tp, tp), mesh_dim_names=("dp", "tp")
-    )
-
-
-def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
-    """Split the model's planned layers over mesh["tp"]; returns the row-split layers."""
-    plan = model.tensor_parallel_plan()  # type: ignore[operator]
-    parallelize_module(model, mesh["tp"], plan)
-    modules = dict(model.named_modules())
-    return [modules[n] for n, style in plan.items() if isinstance(style, RowwiseParallel)]
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def flat_zeros(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    return torch.zeros(shape.numel(), device=device)
 
 
 class TensorStrategy(FSDPStrategy):

@@ -21,7 +21,7 @@ import os
 import secrets
 from pathlib import Path
 
-TOKEN_ENV = "SCALETRAIN_JOIN_TOKEN"
+from scaletrain import env
 
 
 class JoinRefused(RuntimeError):
@@ -44,7 +44,7 @@ def launcher_token(token_file: str) -> str:
     a random one for this run."""
     if token_file:
         return read_token_file(token_file)
-    return os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
+    return os.environ.get(env.JOIN_TOKEN) or secrets.token_hex(16)
 
 
 def _mac(token: str, scope: str, worker: int, attempt: int, nonce: str) -> str:

@@ -28,7 +28,6 @@ Events for summary.json's recoveries go to logs/ps_events.jsonl.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -40,8 +39,8 @@ import torch
 from torch import nn
 
 from scaletrain.config import RunConfig
-from scaletrain.fault.checkpoint import atomic_torch_save
 from scaletrain.fault.inject import parse_inject
+from scaletrain.io import append_jsonl, atomic_torch_save
 from scaletrain.strategies.param_server import consistency as rules
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.admission import Admission
@@ -51,8 +50,7 @@ log = logging.getLogger("scaletrain.ps.server")
 
 
 def append_event(run_dir: Path, event: dict[str, Any]) -> None:
-    with open(run_dir / "logs" / "ps_events.jsonl", "a") as f:
-        f.write(json.dumps({**event, "unix_time": time.time()}) + "\n")
+    append_jsonl(run_dir / "logs" / "ps_events.jsonl", {**event, "unix_time": time.time()})
 
 
 def first_line(e: BaseException) -> str:
@@ -173,12 +171,24 @@ class ShardServer:
         threading.Thread(target=self._write, args=(state,), daemon=True).start()
 
     def _write(self, state: dict[str, Any]) -> None:
+        """In the background: updates go on while it writes, so a server that dies before
+        the write is done restores the checkpoint before it (the "saved" event says which
+        were complete)."""
         with self.save_lock:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             atomic_torch_save(self.checkpoint_dir / f"version-{state['version']:08d}.pt", state)
             kept = sorted(self.checkpoint_dir.glob("version-*.pt"))
             for old in kept[: -self.cfg.fault.keep_checkpoints]:
                 old.unlink(missing_ok=True)
+            append_event(
+                self.run_dir,
+                {
+                    "event": "saved",
+                    "server": self.index,
+                    "version": state["version"],
+                    "attempt": self.attempt,
+                },
+            )
 
     # -- serving -------------------------------------------------------------------------
     def serve(self) -> None:

@@ -1,7 +1,7 @@
 """In-place recovery, launcher side: host torchft's lighthouse, start one worker process per
 replica, and when one dies restart only that one (up to --max-restarts times each) while the
-others keep training (fault/inplace.py). torch's elastic agent cannot do this: it stops and
-restarts the whole group on any failure.
+others keep training (the in-place strategy of the one loop: strategies/inplace.py). torch's
+elastic agent cannot do this: it stops and restarts the whole group on any failure.
 
 Each death is recorded in logs/incidents.jsonl and, at the end, in summary.json's
 ``recoveries`` with times read back from metrics.jsonl: ``detected_s``, from the death to the
@@ -13,7 +13,7 @@ back; a step that was in flight is not applied and its samples are trained in th
 
 Across nodes (``--nnodes N``), node i's supervisor runs replicas ``i*nproc ..``; node 0 hosts
 the lighthouse at --rdzv-endpoint (listening on --bind, by default that address), and every
-replica listens on, and advertises, its node's address (ADDR_ENV). The run directory is
+replica listens on, and advertises, its node's address (env.ADDR). The run directory is
 shared (replicas write their steps and finals there); node 0 writes summary.json. A replica
 of another node that leaves the quorum without its node recording a death (the node died, or
 its network did) is recorded from metrics.jsonl as ``cause: "left"``.
@@ -22,19 +22,18 @@ its network did) is recorded from metrics.jsonl as ``cause: "left"``.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
+from scaletrain import env
 from scaletrain.config import RunConfig
-from scaletrain.fault.checkpoint import atomic_write_json
-from scaletrain.fault.fleet import JobFleet
-from scaletrain.fault.inplace import ADDR_ENV, LIGHTHOUSE_ENV, read_finals, url_host
+from scaletrain.io import atomic_write_json, read_jsonl
+from scaletrain.launch.fleet import JobFleet
+from scaletrain.lifecycle import read_finals
 from scaletrain.metrics.logs import tail
-from scaletrain.metrics.sinks import read_jsonl
-from scaletrain.metrics.summary import RankTotals, build_summary
+from scaletrain.metrics.summary import run_info, summarize
+from scaletrain.net import route_address, url_host
 
 # The lighthouse drops a replica whose heartbeats (every 100 ms) stop for this long.
 HEARTBEAT_TIMEOUT_MS = 500
@@ -44,13 +43,6 @@ JOIN_TIMEOUT_MS = 100
 
 class InplaceFailed(RuntimeError):
     """Every replica failed for good."""
-
-
-def route_address(host: str, port: int) -> str:
-    """This machine's address on the route to ``host`` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, port))
-        return str(probe.getsockname()[0])
 
 
 class Supervisor(JobFleet):
@@ -81,9 +73,9 @@ class Supervisor(JobFleet):
     def env(self, rank: int) -> dict[str, str]:
         return {
             **super().env(rank),
-            LIGHTHOUSE_ENV: self.lighthouse_url,
-            ADDR_ENV: self.addr,
-            "SCALETRAIN_RECOVERY": "inplace",
+            env.LIGHTHOUSE: self.lighthouse_url,
+            env.ADDR: self.addr,
+            env.MODE: "inplace",
         }
 
     def may_restart(self, rank: int) -> bool:
@@ -183,8 +175,7 @@ class Supervisor(JobFleet):
         ending = {r["rank"] for r in records if r["step"] == last_step} - set(self.local)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            have = {f["totals"]["rank"] for f in read_finals(self.run_dir)}
-            if ending <= have:
+            if ending <= {f.rank for f in read_finals(self.run_dir)}:
                 return
             time.sleep(0.2)
 
@@ -192,37 +183,23 @@ class Supervisor(JobFleet):
         self.wait_for_remote_finals()
         finals = read_finals(self.run_dir)
         # The replica that trained longest (a restarted one joined late).
-        main = max(finals, key=lambda f: (f["progress"]["step"], f["wall_s"]))
-        progress = SimpleNamespace(
-            step=main["progress"]["step"],
-            samples_trained=main["progress"]["samples_trained"],
-            recoveries=self.recoveries(),
-        )
+        main = max(finals, key=lambda f: (f.step, f.wall_s))
         cfg = self.cfg
-        summary = build_summary(
-            [RankTotals(**f["totals"]) for f in finals],
-            wall_s=main["wall_s"],
+        summary = summarize(
+            finals,
+            steps=main.step,
+            samples=main.samples_trained,
+            recoveries=self.recoveries(),
             checkpoint_s=0.0,
-            progress=progress,
-            test_accuracy=main["test_accuracy"],
-            params_hash=main["params_sha256"],
+            params_hash=main.params_sha256,
+            wall_s=main.wall_s,
             info={
-                "strategy": cfg.train.strategy,
+                **run_info(cfg, data_world_size=self.world, steps_per_epoch=main.steps_per_epoch),
                 "recovery": "inplace",
                 "backend": "gloo",
-                "device": main["device"],
-                "batch_size_per_worker": cfg.train.batch_size,
-                "global_batch_size": cfg.train.batch_size * self.world,
-                "epochs": cfg.train.epochs,
-                "steps_per_epoch": main["steps_per_epoch"],
-                "config_hash": cfg.hash(),
-                "scaletrain_version": main["scaletrain_version"],
-                "torch_version": main["torch_version"],
             },
         )
         summary["world_size"] = self.world
-        # Replicas that finished must hold the same weights; the hash says whether they do.
-        summary["replicas_agree"] = len({f["params_sha256"] for f in finals}) == 1
         atomic_write_json(self.run_dir / "summary.json", summary)
         return summary
 
@@ -233,3 +210,19 @@ def run_inplace(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     if not supervisor.is_head:
         return {}  # node 0 writes summary.json
     return supervisor.summary()
+
+
+def run_inplace_mode(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:
+    """--recovery inplace: our own supervisor instead of the elastic agent."""
+    from scaletrain.launch.errors import WorkerFailed
+    from scaletrain.launch.worker_env import set_launch_env
+    from scaletrain.metrics.progress import ProgressView
+
+    set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
+    try:
+        with ProgressView(run_dir / "metrics.jsonl", enabled=show_progress):
+            summary = run_inplace(cfg, run_dir)
+    except InplaceFailed as e:
+        raise WorkerFailed(str(e)) from None
+    summary["run_dir"] = str(run_dir)
+    return summary

@@ -19,23 +19,20 @@ restores (logs/ps_events.jsonl) become ``recoveries``.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
+from scaletrain import env
 from scaletrain.config import RunConfig
-from scaletrain.fault.checkpoint import atomic_torch_save, atomic_write_json
-from scaletrain.fault.fleet import JobFleet
+from scaletrain.io import atomic_write_json, read_jsonl
+from scaletrain.launch.fleet import JobFleet
+from scaletrain.lifecycle import read_finals, save_final_model
 from scaletrain.metrics.logs import tail
-from scaletrain.metrics.sinks import read_jsonl
-from scaletrain.metrics.summary import RankTotals, build_summary
-from scaletrain.strategies.param_server.admission import TOKEN_ENV, launcher_token
+from scaletrain.metrics.summary import run_info, summarize
+from scaletrain.strategies.param_server.admission import launcher_token
 
-ROLE_ENV = "SCALETRAIN_PS_ROLE"
-STORE_ENV = "SCALETRAIN_PS_STORE"
 # How long servers get to write their final slices once told to finish.
 FINISH_GRACE_S = 60.0
 
@@ -58,8 +55,7 @@ class PSFleet(JobFleet):
 
         from torch.distributed import TCPStore
 
-        from scaletrain.rendezvous import bound_store
-        from scaletrain.runtime import loopback_store
+        from scaletrain.net import bound_store, loopback_store
 
         super().__init__(cfg, run_dir)
         self.num_servers = cfg.ps.num_servers
@@ -146,9 +142,10 @@ class PSFleet(JobFleet):
     def env(self, rank: int) -> dict[str, str]:
         return {
             **super().env(rank),
-            ROLE_ENV: "worker" if self.is_worker(rank) else "server",
-            STORE_ENV: self.address,
-            TOKEN_ENV: self.token,
+            env.MODE: "ps",
+            env.PS_ROLE: "worker" if self.is_worker(rank) else "server",
+            env.PS_STORE: self.address,
+            env.JOIN_TOKEN: self.token,
         }
 
     def kind(self, rank: int) -> str:
@@ -298,23 +295,12 @@ def assemble(cfg: RunConfig, run_dir: Path, num_servers: int) -> tuple[Any, list
     return task, finals
 
 
-def evaluate(task: Any) -> float | None:
+def write_summary(fleet: PSFleet) -> dict[str, Any]:
+    """summary.json from the workers' finals (the loop's, logs/final/) and the servers' final
+    slices, assembled into the model and scored here, with the evaluation every mode uses."""
     import torch
 
-    from scaletrain.trainer import make_loader
-
-    if task.test_data is None or task.eval_fn is None:
-        return None
-    model = task.model.eval()
-    correct = total = 0
-    with torch.no_grad():
-        for inputs, targets in make_loader(task.test_data, cuda=False, batch_size=512):
-            c, t = task.eval_fn(model(inputs), targets)
-            correct, total = correct + c, total + t
-    return correct / total if total else None
-
-
-def write_summary(fleet: PSFleet) -> dict[str, Any]:
+    from scaletrain.metrics.evaluation import score
     from scaletrain.metrics.summary import params_sha256
     from scaletrain.strategies.param_server.consistency import (
         shard_ranges,
@@ -324,41 +310,27 @@ def write_summary(fleet: PSFleet) -> dict[str, Any]:
 
     cfg, run_dir = fleet.cfg, fleet.run_dir
     task, finals = assemble(cfg, run_dir, fleet.num_servers)
-    started = time.perf_counter()
-    atomic_torch_save(
-        run_dir / "checkpoints" / "final.pt",
-        {"model": {k: v.detach() for k, v in task.model.state_dict().items()}},
-    )
-    checkpoint_s = time.perf_counter() - started
-    workers = [json.loads(p.read_text()) for p in sorted((run_dir / "logs" / "final").glob(
-        "worker*.json"))]  # fmt: skip
+    checkpoint_s = save_final_model(run_dir, task.model)
+    workers = read_finals(run_dir)
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("committed")]
+    test = None
+    if task.test_data is not None and task.eval_fn is not None:
+        test = [score(task.model, task.test_data, task.eval_fn, torch.device("cpu"))]
     main = finals[0]
-    progress = SimpleNamespace(
-        step=main["version"],
-        samples_trained=main["samples_trained"],
-        recoveries=recoveries(fleet),
-    )
     numels = [f["param"].numel() for f in finals]
     sizes = [p.numel() for p in task.model.parameters()]
     held = split_tensors(sizes, shard_ranges(sum(sizes), fleet.num_servers))
-    summary = build_summary(
-        [RankTotals(**w["totals"]) for w in workers],
-        wall_s=max(w["wall_s"] for w in workers),
+    summary = summarize(
+        workers,
+        steps=main["version"],
+        samples=main["samples_trained"],
+        recoveries=recoveries(fleet),
         checkpoint_s=checkpoint_s,
-        progress=progress,
-        test_accuracy=evaluate(task),
         params_hash=params_sha256(task.model),
+        test_counts=test or [],
         info={
-            "strategy": "ps",
+            **run_info(cfg, data_world_size=fleet.num_workers, steps_per_epoch=None),
             "backend": "gloo",
-            "device": workers[0]["device"],
-            "batch_size_per_worker": cfg.train.batch_size,
-            "global_batch_size": cfg.train.batch_size * fleet.num_workers,
-            "epochs": cfg.train.epochs,
-            "config_hash": cfg.hash(),
-            "scaletrain_version": workers[0]["scaletrain_version"],
-            "torch_version": workers[0]["torch_version"],
             "ps": {
                 "consistency": cfg.ps.consistency,
                 "staleness_bound": cfg.ps.staleness if cfg.ps.consistency == "ssp" else None,
@@ -380,7 +352,8 @@ def write_summary(fleet: PSFleet) -> dict[str, Any]:
 
 
 def run_ps(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:
-    from scaletrain.launch import WorkerFailed, set_launch_env
+    from scaletrain.launch.errors import WorkerFailed
+    from scaletrain.launch.worker_env import set_launch_env
     from scaletrain.metrics.progress import ProgressView
 
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)

@@ -13,7 +13,6 @@ SIGKILLed (each runs in its own session, and dies with its parent: runtime.die_w
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -21,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from scaletrain.io import append_jsonl
 
 if TYPE_CHECKING:
     from scaletrain.config import RunConfig
@@ -113,9 +114,10 @@ class ProcessFleet:
             "restarted": self.may_restart(rank),
         }
         self.deaths.append(death)
-        with open(self.run_dir / "logs" / "incidents.jsonl", "a") as f:
-            f.write(json.dumps({"kind": self.kind(rank), **death,
-                                "detected_at": death["died_at"]}) + "\n")  # fmt: skip
+        append_jsonl(
+            self.run_dir / "logs" / "incidents.jsonl",
+            {"kind": self.kind(rank), **death, "detected_at": death["died_at"]},
+        )
         if death["restarted"]:
             self.attempts[rank] += 1
             death["restarted_at"] = time.time()

@@ -1,10 +1,14 @@
 """The ways scaletrain runs a job, and the flags each one does not honour.
 
 - ``restart``: torch's elastic agent; the group restarts from the newest checkpoint when a
-  worker dies or hangs (trainer.py). Every flag applies.
+  worker dies or hangs (agent.py). Every flag applies.
 - ``inplace`` (``--recovery inplace``): torchft; survivors go on, a restarted replica heals
-  from a live peer (fault/inplace.py). Nothing is rolled back, so there are no checkpoints.
-- ``ps`` (``--strategy ps``): parameter servers and workers (strategies/param_server/).
+  from a live peer (inplace.py, strategies/inplace.py). Nothing is rolled back, so there are
+  no checkpoints.
+- ``ps`` (``--strategy ps``): parameter servers and workers (ps.py, strategies/param_server/).
+
+All three run the same training loop in their workers (trainer.py); launch/__init__.py
+starts each one's launcher.
   The servers checkpoint their own partitions, always in the background; a silent worker is
   dropped after --barrier-timeout-s, a silent node after --timeout-s.
 
@@ -14,7 +18,7 @@ the mode, instead of meaning something else there or nothing at all.
 
 from __future__ import annotations
 
-from scaletrain.config import RunConfig
+from scaletrain.config import RunConfig, parse_nnodes
 
 MODES = ("restart", "inplace", "ps")
 # Measured: a hang injected under either mode left the job running until it was killed (the
@@ -42,6 +46,19 @@ def refusals(cfg: RunConfig) -> list[str]:
     out = []
     if mode == "inplace":
         name = "--recovery inplace"
+        if cfg.train.strategy != "ddp":
+            out.append(
+                "recovery: inplace recovery runs data parallel training (--strategy ddp), not "
+                f"{cfg.train.strategy!r}"
+            )
+        if cfg.comm.compression != "none":
+            out.append("recovery: inplace recovery averages plain gradients; drop --compression")
+        lo, hi = parse_nnodes(cfg.launch.nnodes)
+        if lo != hi:
+            out.append(
+                "nnodes: inplace recovery starts a fixed set of replicas (the survivors of a "
+                f"lost node go on without it); pass --nnodes N, not {cfg.launch.nnodes!r}"
+            )
         if cfg.fault.checkpoint_every:
             out.append(
                 f"checkpoint_every: {name} keeps no checkpoints (nothing is rolled back; a "
@@ -55,6 +72,12 @@ def refusals(cfg: RunConfig) -> list[str]:
             out.append(_NO_HANG_WATCHDOG.format(name=name))
     if mode == "ps":
         name = "--strategy ps"
+        if cfg.fault.recovery != "restart":
+            out.append(
+                "recovery: the parameter server recovers its own way (a dead worker's data is "
+                "dealt to the others, a dead server reloads its partition); drop --recovery "
+                "inplace"
+            )
         if cfg.fault.hang_timeout_s:
             out.append(
                 f"hang_timeout_s: under {name} a silent worker is dropped after "

@@ -27,14 +27,14 @@ def mb(n: int) -> str:
 def check_memory_budget(cfg: RunConfig, model: nn.Module, world_size: int) -> dict[str, int]:
     """Every strategy's estimate (leaving out those that cannot run this model, e.g. pipeline
     on a model that is not Sequential); ValueError when the configured one exceeds the budget."""
-    from scaletrain.strategies import STRATEGIES
+    from scaletrain.strategies import all_strategies
     from scaletrain.strategies.base import model_bytes
 
     params = model_bytes(model)
     copies = optimizer_copies(cfg)
     estimates = {
         name: estimate
-        for name, cls in STRATEGIES.items()
+        for name, cls in all_strategies().items()
         if (estimate := cls.estimate_state_bytes(model, copies, cfg, world_size)) is not None
     }
     budget = cfg.train.max_memory_per_rank

@@ -26,7 +26,6 @@ Everything else (keep-alives, last call, elastic membership) is torch's own
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 import sys
@@ -34,74 +33,14 @@ import threading
 import time
 from typing import Any
 
+from scaletrain import env
+from scaletrain.net import bound_store
+
 BACKEND_NAME = "scaletrain"
 GRACE_S = 5.0
 UNREACHABLE_EXIT_CODE = 69  # EX_UNAVAILABLE
-BIND_ENV = "SCALETRAIN_BIND"
-ATTEMPT_ENV = "SCALETRAIN_ATTEMPT"
 _LISTENERS: list[socket.socket] = []
 _TIMERS: list[_CallTimer] = []
-
-
-def interface_of(addr: str) -> str | None:
-    """The network interface holding the IPv4 address ``addr`` (Linux), or None."""
-    import fcntl
-    import struct
-
-    try:
-        packed = socket.inet_aton(addr)
-    except OSError:
-        return None
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _, name in socket.if_nameindex():
-            request = struct.pack("256s", name.encode()[:15])
-            try:
-                reply = fcntl.ioctl(probe.fileno(), siocgifaddr, request)
-            except OSError:  # no IPv4 address on it
-                continue
-            if reply[20:24] == packed:
-                return name
-    return None
-
-
-def listen_socket(addr: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``addr``:``port`` (IPv4 or IPv6 by the address), or a
-    ValueError that names --bind."""
-    try:
-        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise ValueError(f"bind: cannot resolve {addr!r}: {e.strerror}") from None
-    family, _, _, _, sockaddr = infos[0]
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind(sockaddr)
-    except OSError as e:
-        listener.close()
-        raise ValueError(
-            f"bind: cannot listen on {addr}:{port}: {e.strerror} (is {addr} an address of this "
-            "machine? pass --bind with one of its addresses, or --bind 0.0.0.0 for all)"
-        ) from None
-    listener.listen(1024)
-    return listener
-
-
-def bound_store(
-    addr: str, port: int, timeout_s: float, *, multi_tenant: bool = False
-) -> tuple[Any, socket.socket]:
-    """A TCPStore server listening on ``addr`` alone. torch's TCPStore listens on every
-    interface whatever host it is given; handed a bound socket it listens there. Keep the
-    socket referenced as long as the store."""
-    import torch.distributed as dist
-
-    listener = listen_socket(addr, port)
-    store = dist.TCPStore(
-        addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-        multi_tenant=multi_tenant, timeout=datetime.timedelta(seconds=timeout_s),
-        master_listen_fd=listener.fileno(),
-    )  # fmt: skip
-    return store, listener
 
 
 class _CallTimer:
@@ -201,7 +140,7 @@ def _announcing_rounds(handler: Any) -> Any:
         state = getattr(getattr(handler, "_state_holder", None), "state", None)
         joined = getattr(state, "round", None)
         if isinstance(joined, int):
-            os.environ[ATTEMPT_ENV] = str(joined)
+            os.environ[env.ATTEMPT] = str(joined)
         return info
 
     handler.next_rendezvous = next_rendezvous
@@ -217,7 +156,7 @@ def release() -> None:
     while _TIMERS:
         _TIMERS.pop().close()
     # Not inherited by the processes of a later launch in this process (an in-place run's).
-    os.environ.pop(ATTEMPT_ENV, None)
+    os.environ.pop(env.ATTEMPT, None)
 
 
 def register() -> None:

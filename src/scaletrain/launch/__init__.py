@@ -1,0 +1,114 @@
+"""The launcher: RunConfig -> the processes of this node, in the run's mode.
+
+- restart (agent.py): torch's elastic agent; the group restarts from the newest checkpoint
+  when a worker dies or hangs.
+- inplace (inplace.py): torchft; survivors go on, a restarted replica heals from a live peer.
+- ps (ps.py): parameter servers and workers, each restarted on its own.
+
+Every mode runs the same checks first (checks.py, modes.py: bad input is refused before any
+process starts, exit status 2), prepares the run directory, and starts one
+``python -m scaletrain.worker RUN_DIR`` per rank, which runs the one training loop
+(trainer.py) or, for a parameter server, its update loop. fleet.py holds the processes of the
+modes that restart them one by one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from scaletrain.config import RunConfig, dumps_toml, parse_nnodes
+from scaletrain.launch.agent import free_port
+from scaletrain.launch.checks import check_names, check_strategy, prepare_run_dir
+from scaletrain.launch.errors import InternalFailure, LaunchFailed, WorkerFailed
+from scaletrain.launch.worker_env import gloo_interface
+
+__all__ = [
+    "InternalFailure",
+    "LaunchFailed",
+    "WorkerFailed",
+    "check_names",
+    "check_strategy",
+    "describe_plan",
+    "free_port",
+    "run",
+]
+
+
+def describe_plan(cfg: RunConfig) -> str:
+    """What ``run`` would start on this node, after every check ``run`` makes before starting
+    anything (``scaletrain run --dry-run``): for checking a cluster script before a job."""
+    check_names(cfg)
+    check_strategy(cfg)
+    lo, hi = parse_nnodes(cfg.launch.nnodes)
+    nproc = cfg.launch.nproc_per_node
+    nodes = str(lo) if lo == hi else f"{lo} to {hi} (elastic)"
+    first = cfg.launch.node_rank * nproc
+    endpoint = cfg.launch.rdzv_endpoint or "127.0.0.1:<a free port> (local)"
+    host = "this node hosts it" if cfg.launch.node_rank == 0 else "node 0 hosts it"
+    iface = os.environ.get("GLOO_SOCKET_IFNAME") or (
+        "lo"
+        if not cfg.launch.rdzv_endpoint
+        else gloo_interface(cfg) or "the interface of this host's name"
+    )
+    listen = cfg.launch.bind or (
+        "127.0.0.1"
+        if not cfg.launch.rdzv_endpoint
+        else (
+            f"{cfg.launch.rdzv_endpoint.rpartition(':')[0]} (node 0's rendezvous address)"
+            if cfg.launch.node_rank == 0
+            else f"{cfg.launch.local_addr or 'this host'}'s address"
+        )
+    )
+    out = cfg.out or "runs/<timestamp>"
+    lines = [
+        "dry run: every check passed; nothing was started or written",
+        f"  nodes: {nodes}; this is node {cfg.launch.node_rank}, {nproc} processes per node; "
+        f"world size {nproc * lo}" + (f" to {nproc * hi}" if hi != lo else ""),
+        f"  this node's ranks: {first} to {first + nproc - 1} (first attempt)",
+        f"  rendezvous: c10d at {endpoint}, id {cfg.launch.rdzv_id or '<generated>'}; {host}",
+        f"  strategy: {cfg.train.strategy}; device: {cfg.train.device}; gloo interface: {iface}"
+        + (
+            f"; NCCL interface: {os.environ['NCCL_SOCKET_IFNAME']}"
+            if os.environ.get("NCCL_SOCKET_IFNAME")
+            else ""
+        ),  # fmt: skip
+        f"  listens on: {listen}",
+        f"  restarts: up to {cfg.launch.max_restarts}; run directory: {out}",
+        "resolved configuration:",
+        dumps_toml(cfg.to_dict()),
+    ]
+    return "\n".join(lines)
+
+
+def runner(mode: str) -> Callable[[RunConfig, Path, bool], dict[str, Any]]:
+    """The launcher of ``mode``: run(cfg, run_dir, show_progress) -> summary.json's contents."""
+    if mode == "inplace":
+        from scaletrain.launch.inplace import run_inplace_mode
+
+        return run_inplace_mode
+    if mode == "ps":
+        from scaletrain.launch.ps import run_ps
+
+        return run_ps
+    from scaletrain.launch.agent import run_restart
+
+    return run_restart
+
+
+def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
+    """Launch this node's workers for ``cfg`` and wait for them.
+
+    Returns summary.json's contents (empty when rank 0 ran on another node). Raises ValueError
+    for bad input (before any worker starts) and WorkerFailed when a worker fails for good.
+    """
+    from scaletrain.launch.modes import mode_of
+
+    check_names(cfg)
+    check_strategy(cfg)
+    cfg, run_dir = prepare_run_dir(cfg)
+    summary = runner(mode_of(cfg))(cfg, run_dir, show_progress)
+    summary["run_dir"] = str(run_dir)
+    return summary

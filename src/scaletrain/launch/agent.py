@@ -1,0 +1,257 @@
+"""The restart mode: torch's elastic agent (what torchrun runs), locally or across nodes.
+
+The launcher process *is* the elastic agent of its node: it rendezvouses with the other
+nodes' agents (c10d backend, rendezvous.py), starts ``python -m scaletrain.worker RUN_DIR``
+once per local rank, watches them, restarts the group on failure up to --max-restarts, and
+stops every worker (SIGTERM, then SIGKILL after a grace period) when one fails for good.
+Workers also ask the kernel to kill them if the agent dies (runtime.die_with_parent), so no
+orphans remain.
+
+Measured on torch 2.13: with the default shared rendezvous store, restarted workers sometimes
+read stale gloo addresses (pytorch #135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
+workers a store of their own and made restarts reliable there.
+
+While the agent runs, a thread tails DIR/metrics.jsonl to draw rank 0's progress bar in this
+terminal (metrics/progress.py): workers' own output goes to DIR/logs/rank<R>.log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from scaletrain import env
+from scaletrain.config import RunConfig, parse_nnodes
+from scaletrain.launch.errors import InternalFailure, LaunchFailed, WorkerFailed
+from scaletrain.launch.worker_env import set_launch_env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Node 0 listens for the rendezvous on HOST:PORT; fail early, and clearly, if it cannot."""
+    from scaletrain.net import listen_socket
+
+    try:
+        listen_socket(host, port).close()
+    except ValueError as e:
+        if "in use" in str(e):
+            raise ValueError(
+                f"rdzv_endpoint: port {port} is already in use on this machine (another "
+                "scaletrain or torchrun job?); pick a free port with --rdzv-endpoint HOST:PORT "
+                "or stop the other job"
+            ) from None
+        raise
+
+
+def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from scaletrain.metrics.logs import RunLogsSpecs, tolerate_unreadable_error_files
+
+    tolerate_unreadable_error_files()
+    min_nodes, max_nodes = parse_nnodes(cfg.launch.nnodes)
+    is_host = cfg.launch.node_rank == 0
+    endpoint = cfg.launch.rdzv_endpoint
+    local_only = not endpoint
+    if local_only:
+        endpoint = f"127.0.0.1:{free_port()}"
+    elif is_host:
+        host, _, port = endpoint.rpartition(":")
+        check_port_free(cfg.launch.bind or host.strip("[]"), int(port))
+    timeout = int(cfg.launch.timeout_s)
+    from scaletrain.launch import rendezvous
+
+    rendezvous.register()
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=cfg.launch.nproc_per_node,
+        run_id=cfg.launch.rdzv_id or f"scaletrain-{uuid.uuid4().hex[:12]}",
+        rdzv_backend=rendezvous.BACKEND_NAME,  # torch's c10d, bound and timed (rendezvous.py)
+        rdzv_endpoint=endpoint,
+        rdzv_configs={
+            "is_host": is_host,
+            "timeout": timeout,
+            "join_timeout": timeout,
+            # Every call to node 0's store waits this long (torch's default: 60 s): a node
+            # whose cable is cut gives up on the job after it, instead of a minute per call.
+            "read_timeout": timeout,
+            "bind": cfg.launch.bind or ("127.0.0.1" if local_only else ""),
+            # torch's default is 30 s: every re-rendezvous after a lost node waits that long
+            # for nodes that may still come, when fewer than MAX are left.
+            "last_call_timeout": cfg.launch.rdzv_last_call_s,
+            "keep_alive_interval": cfg.launch.rdzv_keep_alive_s,
+        },
+        max_restarts=cfg.launch.max_restarts,
+        logs_specs=RunLogsSpecs(run_dir),
+        local_addr="127.0.0.1" if local_only else (cfg.launch.local_addr or None),
+        shutdown_timeout=5,
+    )
+
+
+class _DeathRecorder(logging.Handler):
+    """Turns the agent's "failed (exitcode ...) local_rank ..." log record, emitted once per
+    failed attempt when the agent notices the failure, into a line of DIR/logs/incidents.jsonl,
+    which the next attempt reads for summary.json's recoveries (fault/recovery.py).
+    ``logs`` knows this node's global ranks in the current attempt (they change when the
+    membership does)."""
+
+    def __init__(self, run_dir: Path, logs: Any) -> None:
+        super().__init__(level=logging.ERROR)
+        self.run_dir, self.logs = run_dir, logs
+        self.restarts = 0  # this node's failures so far: the attempt where no round is known
+
+    @property
+    def attempt(self) -> int:
+        """The attempt that failed: the rendezvous round its world formed in (it is still
+        set: the agent logs the failure before it re-rendezvouses)."""
+
+        return int(os.environ.get(env.ATTEMPT, self.restarts))
+
+    def root_causes(self, reported: int, exit_codes: dict[str, int]) -> list[int]:
+        """The agent reports the failure it saw first, often a survivor whose collective
+        failed ("Connection closed by peer") a moment before the agent noticed the dead rank.
+        When it logs, the group is already stopped: the ranks whose error file is missing (a
+        signal) or names a cause rather than a symptom are the candidates; of those, a rank
+        that ended by the SIGTERM the agent sends when it stops the group is not, when
+        another ended otherwise (``exit_codes``: by error file, as take_exit_codes gives
+        them). Empty when every rank of this node failed as a symptom (the cause is on
+        another node)."""
+        from scaletrain.metrics.logs import COLLATERAL
+
+        candidates, stopped = [], []
+        for rank in sorted(self.logs.ranks.values()):
+            path = self.run_dir / "logs" / "errors" / f"rank{rank}.json"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            if not any(pattern in text for pattern in COLLATERAL):
+                candidates.append(rank)
+                if exit_codes.get(str(path)) == -signal.SIGTERM:
+                    stopped.append(rank)
+        if stopped and len(stopped) < len(candidates):
+            candidates = [rank for rank in candidates if rank not in stopped]
+        return sorted(candidates, key=lambda r: r != reported)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not str(record.msg).startswith("failed (exitcode") or len(args) < 3:
+            return
+        exitcode, local_rank, pid = args[:3]
+        from scaletrain.fault.watchdog import append_incident
+        from scaletrain.metrics.logs import take_exit_codes
+
+        reported = self.logs.ranks.get(int(str(local_rank)), -1)
+        causes = self.root_causes(reported, take_exit_codes())
+        append_incident(
+            self.run_dir,
+            {"kind": "death", "attempt": self.attempt, "ranks": causes or [reported],
+             "collateral": not causes, "node_ranks": sorted(self.logs.ranks.values()),
+             "reported_rank": reported, "exitcode": exitcode, "pid": pid,
+             "detected_at": record.created},
+        )  # fmt: skip
+        self.restarts += 1
+
+
+class _GrowthRecorder(logging.Handler):
+    """Turns the agent's "Detected N new nodes ... will restart worker group" record (a node
+    joined: the agent stops a healthy world to form a larger one) into a line of
+    DIR/logs/incidents.jsonl, so the restart's recoveries entry says why it happened."""
+
+    def __init__(self, run_dir: Path, logs: Any) -> None:
+        super().__init__(level=logging.INFO)
+        self.run_dir, self.logs = run_dir, logs
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "new nodes from group_rank" not in str(record.msg):
+            return
+        from scaletrain.fault.watchdog import append_incident
+
+        args = record.args if isinstance(record.args, tuple) else ()
+        append_incident(
+            self.run_dir,
+            {"kind": "node-joined", "attempt": int(os.environ.get(env.ATTEMPT, "-1")),
+             "ranks": [], "waiting": args[1] if len(args) > 1 else None,
+             "node_ranks": sorted(self.logs.ranks.values()), "detected_at": record.created},
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def record_worker_deaths(run_dir: Path, logs: Any) -> Iterator[None]:
+    """Worker deaths and worlds stopped to grow, from the agent's log records, become
+    incidents (the launcher prints its own account of failures: the records go no further)."""
+    watched = [
+        (logging.getLogger("torch.distributed.elastic.multiprocessing.api"),
+         _DeathRecorder(run_dir, logs), logging.ERROR),
+        (logging.getLogger("torch.distributed.elastic.agent.server.api"),
+         _GrowthRecorder(run_dir, logs), logging.INFO),
+    ]  # fmt: skip
+    saved = [(logger.level, logger.propagate) for logger, _, _ in watched]
+    for logger, handler, level in watched:
+        logger.setLevel(level)
+        logger.propagate = False
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for (logger, handler, _), (level, propagate) in zip(watched, saved, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+
+
+def run_restart(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:
+    """This node's agent for the whole run; summary.json's contents (empty when rank 0 ran on
+    another node)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from scaletrain.metrics.logs import describe_failure
+    from scaletrain.metrics.progress import ProgressView
+
+    launch_config = build_launch_config(cfg, run_dir)
+    set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
+    progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)
+    from scaletrain.launch.rendezvous import release
+
+    try:
+        with progress, record_worker_deaths(run_dir, launch_config.logs_specs):
+            try:
+                elastic_launch(launch_config, sys.executable)(
+                    "-m", "scaletrain.worker", str(run_dir)
+                )
+            finally:
+                release()
+    except ChildFailedError as e:
+        raise WorkerFailed(describe_failure(e.failures, run_dir)) from None
+    except RendezvousError as e:
+        raise LaunchFailed(
+            f"rendezvous at {launch_config.rdzv_endpoint} failed: {e}. Check that every node "
+            "uses the same --rdzv-endpoint and --rdzv-id and that node 0 is up."
+        ) from None
+    except SignalException as e:
+        raise LaunchFailed(f"stopped by {e.sigval.name}; the workers were stopped") from None
+    except Exception as e:
+        raise InternalFailure(
+            f"the elastic agent failed: {type(e).__name__}: {e}. The workers were stopped; "
+            f"the run directory {run_dir} keeps its checkpoints. This is a bug in scaletrain "
+            "or torch, not in your input: please report it with DIR/logs."
+        ) from e
+    summary_path = run_dir / "summary.json"
+    summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary["run_dir"] = str(run_dir)
+    return summary

@@ -1,0 +1,131 @@
+"""What the launcher checks before any process starts, and the run directory it prepares:
+bad input stops here with a ValueError naming the field (exit status 2), before anything is
+written."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+from scaletrain.config import RunConfig, dumps_toml, from_dict, parse_nnodes
+from scaletrain.registry import lookup
+
+
+def check_names(cfg: RunConfig) -> None:
+    """Registry names, and the flags the run's mode honours (modes.py), are checked here,
+    before any process starts."""
+    from scaletrain.compression.spec import parse_compression
+    from scaletrain.data.datasets import DATASETS
+    from scaletrain.fault.inject import parse_inject
+    from scaletrain.launch.modes import check_flags
+    from scaletrain.models import MODELS
+    from scaletrain.strategies import strategy_class
+    from scaletrain.task import OPTIMIZERS
+
+    parse_compression(cfg.comm.compression)
+    parse_inject(cfg.fault.inject)
+    check_flags(cfg)
+
+    # Only the chosen strategy's module is imported: all of them cost every run ~1.5 s.
+    strategy = strategy_class(cfg.train.strategy)
+    if cfg.comm.compression != "none" and not strategy.supports_compression:
+        from scaletrain.strategies import all_strategies
+
+        with_hooks = ", ".join(
+            sorted(n for n, s in all_strategies().items() if s.supports_compression)
+        )
+        raise ValueError(
+            f"compression: strategy {cfg.train.strategy!r} does not use gradient hooks; "
+            f"--compression applies to: {with_hooks}"
+        )
+    lookup(OPTIMIZERS, cfg.optim.optimizer, "optimizer")
+    if cfg.launch.join_token_file:
+        from scaletrain.strategies.param_server.admission import read_token_file
+
+        read_token_file(cfg.launch.join_token_file)
+    if cfg.fault.recovery == "inplace" and importlib.util.find_spec("torchft") is None:
+        raise ValueError(
+            "recovery: inplace needs torchft, which is not installed: pip install 'scaletrain[ft]'"
+        )
+    if cfg.data.task:
+        target = cfg.data.task.rpartition(":")[0]
+        if target.endswith(".py") and not Path(target).is_file():
+            raise ValueError(f"task: file {target} does not exist")
+    else:
+        lookup(MODELS, cfg.model.model, "model")
+        if cfg.data.data_dir:
+            check_shards(Path(cfg.data.data_dir), verify=cfg.data.verify)
+        else:
+            lookup(DATASETS, cfg.data.dataset, "dataset")
+
+
+def check_strategy(cfg: RunConfig) -> None:
+    """The strategy's own checks (world-size shape, model split) and --max-memory-per-rank,
+    for every world size the run may have (each node count of an elastic MIN:MAX)."""
+    from scaletrain.strategies import strategy_class
+
+    strategy = strategy_class(cfg.train.strategy)
+    lo, hi = parse_nnodes(cfg.launch.nnodes)
+    worlds = sorted({cfg.launch.nproc_per_node * n for n in range(lo, hi + 1)})
+    model = None
+    checks_model = strategy.checks_model(cfg)
+    if checks_model or cfg.train.max_memory_per_rank:
+        from scaletrain.task import build_task
+
+        model = build_task(cfg).model
+    for world in worlds:
+        strategy.check_config(cfg, world, model if checks_model else None)
+    if cfg.train.max_memory_per_rank and model is not None:
+        from scaletrain.launch.memory import check_memory_budget
+
+        check_memory_budget(cfg, model, worlds[-1])
+
+
+def check_shards(root: Path, *, verify: bool) -> None:
+    """Open every split once here, so a missing, truncated or corrupted shard stops the run
+    before anything is written, and the (slow) sha256 check runs once, not once per worker."""
+    from scaletrain.data.shards import open_split, read_manifest
+
+    for split in read_manifest(root)["splits"]:
+        open_split(root, split, verify=verify)
+
+
+def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
+    """Create the run directory, refuse one that already holds a run, write config.toml.
+
+    A node other than node 0 may join a job that is already training (--nnodes MIN:MAX),
+    in the run directory the nodes share: it refuses only a finished run, and keeps the
+    job's config.toml (the one every worker reads) when it holds the same configuration."""
+    out = Path(cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    joining = cfg.launch.node_rank != 0 and bool(cfg.launch.rdzv_endpoint)
+    for name in ("summary.json",) if joining else ("summary.json", "metrics.jsonl"):
+        if (out / name).exists():
+            raise ValueError(
+                f"out: {out} already holds a run ({name} exists); pass another --out or remove it"
+            )
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        (out / "checkpoints").mkdir(exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out: cannot create run directory {out}: {e.strerror}") from None
+    data = cfg.to_dict()
+    data["out"] = str(out)
+    resolved = from_dict(data)
+    config = out / "config.toml"
+    if joining and config.exists():
+        from scaletrain.config import load_toml
+
+        theirs = load_toml(config)
+        if theirs.hash() != resolved.hash():
+            raise ValueError(
+                f"out: {out} holds a job with another configuration (config hash "
+                f"{theirs.hash()}, this node's {resolved.hash()}): every node of a job must "
+                "be given the same settings"
+            )
+        return resolved, out
+    from scaletrain.io import atomic_write_bytes
+
+    # Atomic: a worker of a running job may read it while a node joins.
+    atomic_write_bytes(config, dumps_toml(resolved.to_dict()).encode())
+    return resolved, out

@@ -1,0 +1,260 @@
+"""What the training loop does around its steps that depends on how the job's processes
+belong together, plugged into the loop (trainer.py) instead of branched on.
+
+- ``GroupWorld`` (the restart mode, every strategy but ps): the processes form one
+  torch.distributed world that torch's elastic agent restarts as a whole. At start every rank
+  resumes from the newest valid checkpoint (fault/recovery.py); a watchdog beats in the
+  group's store; at the end the ranks' totals are gathered and rank 0 writes summary.json and
+  checkpoints/final.pt.
+- ``FleetWorld`` (in-place recovery, parameter-server workers): each process is restarted on
+  its own by a launcher that watches them (launch/fleet.py); there is no group to resume in
+  or to gather over. A restarted replica heals from a live peer instead (its strategy's plan
+  does), a parameter-server worker keeps no state; at the end each process writes its totals
+  to logs/final/rank<R>.json and the launcher builds summary.json from those with the same
+  aggregator (metrics/summary.summarize).
+
+``Checkpointing`` is the loop's commit hook that writes a checkpoint after every
+--checkpoint-every applied steps (only the restart mode resumes from them: the launcher
+refuses the flag elsewhere, launch/modes.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.fault.checkpoint import (
+    AsyncCheckpointer,
+    prune_rng_files,
+    publish_dir,
+    read_index,
+    remove_unfinished,
+    rng_path,
+    save_checkpoint,
+    save_rank_state,
+    snapshot,
+)
+from scaletrain.fault.recovery import Progress, checkpoint_state, resume, rng_state, run_recoveries
+from scaletrain.fault.watchdog import NullWatchdog, Watchdog
+from scaletrain.io import atomic_torch_save, atomic_write_json
+from scaletrain.metrics.summary import RankTotals, params_sha256, run_info, summarize
+
+if TYPE_CHECKING:
+    from scaletrain.trainer import Trainer
+
+log = logging.getLogger("scaletrain.lifecycle")
+
+
+def save_final_model(run_dir: Path, model: torch.nn.Module) -> float:
+    """checkpoints/final.pt: the plain weights; returns the seconds it took."""
+    started = time.perf_counter()
+    atomic_torch_save(
+        run_dir / "checkpoints" / "final.pt",
+        {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
+    )
+    return time.perf_counter() - started
+
+
+class World(ABC):
+    @abstractmethod
+    def watchdog(self, trainer: Trainer) -> NullWatchdog:
+        """What notices a hang (and ends this process) while the loop runs."""
+
+    @abstractmethod
+    def resume(self, trainer: Trainer) -> Progress | None:
+        """Where this process starts: a checkpoint's progress, or None (from the start)."""
+
+    @abstractmethod
+    def finish(self, trainer: Trainer, final: RankTotals) -> dict[str, Any] | None:
+        """Report this process's ``final`` totals; summary.json where this process writes it."""
+
+
+class GroupWorld(World):
+    def watchdog(self, trainer: Trainer) -> NullWatchdog:
+        ctx, cfg = trainer.ctx, trainer.cfg
+        return Watchdog(
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            attempt=ctx.attempt,
+            timeout_s=cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2,
+            run_dir=trainer.run_dir,
+        )
+
+    def _all_agree(self, trainer: Trainer, ok: bool) -> bool:
+        flag = torch.tensor([0 if ok else 1], device=trainer.ctx.device)
+        if trainer.ctx.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag) == 0
+
+    def check_same_checkpoints(self, trainer: Trainer) -> None:
+        """Every rank must resume from the same checkpoint. Across nodes that needs --out on
+        a file system they all share; otherwise node 0 alone would find its checkpoints and
+        the ranks would train from different states (or wait in different collectives).
+        The same collective checks that every rank labels its records with the same attempt."""
+        ctx = trainer.ctx
+        if ctx.world_size == 1:
+            return
+        directory = trainer.run_dir / "checkpoints"
+        index = read_index(directory)
+        newest = index[-1]["step"] if index else -1
+        bounds = torch.tensor([newest, -newest, ctx.attempt, -ctx.attempt], device=ctx.device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+        if int(bounds[2]) != -int(bounds[3]):  # every record of this world is labelled by it
+            raise RuntimeError(
+                f"internal failure: rank {ctx.rank} is in attempt {ctx.attempt}, another rank "
+                f"in attempt {int(bounds[2])}: the nodes' agents disagree on the rendezvous "
+                "round"
+            )
+        if int(bounds[0]) != -int(bounds[1]):
+            raise ValueError(
+                f"rank {ctx.rank} sees checkpoints up to step {newest} in {directory} (-1: "
+                f"none), another rank up to step {int(bounds[0])}: every node must use the same "
+                "--out on a shared file system (NFS, Lustre, a ReadWriteMany volume) to resume "
+                "across nodes"
+            )
+
+    def resume(self, trainer: Trainer) -> Progress | None:
+        self.check_same_checkpoints(trainer)
+        resumed = resume(
+            trainer.run_dir / "checkpoints",
+            trainer.restore_checkpoint,
+            data_world_size=trainer.strategy.data_world_size,
+            rank=trainer.ctx.rank,
+            config_hash=trainer.cfg.hash(),
+            attempt=trainer.ctx.attempt,
+            metrics=trainer.run_dir / "metrics.jsonl",
+            all_agree=lambda ok: self._all_agree(trainer, ok),
+        )
+        if trainer.ctx.is_main:  # no rank can save before step 1, which needs rank 0
+            remove_unfinished(trainer.run_dir / "checkpoints")
+        return resumed
+
+    def finish(self, trainer: Trainer, final: RankTotals) -> dict[str, Any] | None:
+        ctx = trainer.ctx
+        gathered: list[RankTotals | None] = [None] * ctx.world_size
+        dist.all_gather_object(gathered, final)
+        if not ctx.is_main:
+            return None
+        model = trainer.strategy.model
+        checkpoint_s = trainer.checkpoint_s + save_final_model(trainer.run_dir, model)
+        progress = trainer.progress
+        summary = summarize(
+            [r for r in gathered if r is not None],
+            steps=progress.step,
+            samples=progress.samples_trained,
+            # Also the restarts whose world failed again before it could checkpoint them.
+            recoveries=run_recoveries(trainer.run_dir, progress.recoveries),
+            checkpoint_s=checkpoint_s,
+            params_hash=params_sha256(model),
+            wall_s=final.wall_s,
+            info={
+                **run_info(
+                    trainer.cfg,
+                    data_world_size=trainer.strategy.data_world_size,
+                    steps_per_epoch=trainer.plan.steps_per_epoch(),
+                ),
+                "backend": ctx.backend,
+                **trainer.strategy.summary_info(),
+            },
+        )
+        atomic_write_json(trainer.run_dir / "summary.json", summary)
+        return summary
+
+
+class FleetWorld(World):
+    def watchdog(self, trainer: Trainer) -> NullWatchdog:
+        return NullWatchdog()
+
+    def resume(self, trainer: Trainer) -> Progress | None:
+        return None
+
+    def finish(self, trainer: Trainer, final: RankTotals) -> dict[str, Any] | None:
+        strategy = trainer.strategy
+        if strategy.holds_final_model and strategy.eval_part()[0] == 0:
+            save_final_model(trainer.run_dir, strategy.model)
+        atomic_write_json(final_path(trainer.run_dir, trainer.ctx.rank), asdict(final))
+        return None
+
+
+def final_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / "logs" / "final" / f"rank{rank}.json"
+
+
+def read_finals(run_dir: Path) -> list[RankTotals]:
+    """The final totals the processes of a fleet wrote (FleetWorld.finish), by rank."""
+    finals = [
+        RankTotals(**json.loads(path.read_text()))
+        for path in (run_dir / "logs" / "final").glob("rank*.json")
+    ]
+    return sorted(finals, key=lambda f: f.rank)
+
+
+class Checkpointing:
+    """Saves after every N-th applied step. Rank 0 writes the checkpoint (or, for sharded
+    state, every rank its shards through DCP); every rank writes its own RNG states and
+    per-rank strategy state beside it."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.every = trainer.cfg.fault.checkpoint_every
+        self.writer = AsyncCheckpointer() if trainer.cfg.fault.checkpoint_async else None
+
+    def maybe_save(self) -> float:
+        """Save if this step is due; returns the seconds this rank's step was blocked."""
+        t = self.trainer
+        if not self.every or t.progress.step % self.every:
+            return 0.0
+        step, rank, main = t.progress.step, t.ctx.rank, t.ctx.is_main
+        strategy = t.strategy
+        collective = strategy.collective_state_dict  # sharded state: every rank saves
+        t.watchdog.enter(step, "writing a checkpoint", "sharded save" if collective else "")
+        started = time.perf_counter()
+        directory, keep = t.run_dir / "checkpoints", t.cfg.fault.keep_checkpoints
+        rng = rng_state()
+        own = {"rng": rng, "strategy": strategy.rank_state_dict()}
+        shards = None
+        if collective:  # every rank writes its shards (synchronously: it is a collective)
+            name = f"step-{step:08d}.dcp"
+            tmp = directory / f".{name}.attempt{t.ctx.restart_count}.tmp"
+            strategy.save_sharded(tmp)
+            if main:
+                shards = {"dir": name, "sha256": publish_dir(tmp, directory / name)}
+        state = None
+        if main:
+            training = t.training_state(sharded=collective)
+            state = checkpoint_state(training, t.progress, t.cfg.hash(), [rng], t.ctx.world_size)
+        if self.writer is not None:
+            own, state = snapshot(own), snapshot(state)
+
+        def write() -> None:
+            own_path = rng_path(directory, step, rank)
+            save_rank_state(own_path, own)
+            for fault in t.faults:
+                fault.after_rank_state(step, rank, own_path, t.ctx.restart_count)
+            if main and state is not None:
+                path = save_checkpoint(directory, step, state, keep, shards=shards)
+                prune_rng_files(directory)
+                for fault in t.faults:
+                    fault.after_checkpoint(step, path, t.ctx.restart_count)
+
+        if self.writer is not None:
+            self.writer.submit(write)
+        else:
+            write()
+        return time.perf_counter() - started
+
+    def wait(self) -> float:
+        """Block until a background write is on disk; the seconds that took."""
+        if self.writer is None:
+            return 0.0
+        started = time.perf_counter()
+        self.writer.wait()
+        return time.perf_counter() - started

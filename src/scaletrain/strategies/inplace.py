@@ -1,0 +1,316 @@
+"""In-place recovery (``--recovery inplace``) as a strategy of the one loop: when a worker dies
+the others keep training from their current state, with no restart and no rollback to a
+checkpoint; a restarted or new worker joins at a step boundary and copies the state from a
+live peer.
+
+Built on torchft (pytorch/torchft): a lighthouse (hosted by the launcher, launch/inplace.py)
+forms a quorum of live replicas before every step; each worker is a replica of its own with a
+torchft ``Manager`` and a reconfigurable gloo process group that the manager rebuilds whenever
+the membership changes. A replica behind the quorum's step heals before the step: the manager
+fetches the loop's training state (model, optimizer, sampler cursor, progress:
+Trainer.heal_state) from a peer over HTTP. We use torchft instead of a quorum protocol of our
+own: its quorum, heartbeats, process-group reconfiguration and healing did exactly this in a
+probe on this stack (torch 2.13 CPU, torchft 0.2), and a second implementation of membership
+agreement is where split brains come from.
+
+What torchft's own sampler does not do, the plan here does: the data cursor commits with the
+step. Each step takes the next ``batch_size x participants`` samples of the epoch's global
+order (sampler.py) and splits them over the step's participants by their quorum rank
+(``QuorumPlan``); the gradient is the sample-weighted mean over them (each rank scales its mean
+loss by ``n_r x participants / N``, then the manager averages). Only when every participant
+commits (``should_commit``) does the optimizer step and the cursor advance; a step that fails
+(a peer died mid all-reduce) is reported not committed, and the loop deals its samples again
+over the survivors: every sample is trained exactly once per epoch, also across failures.
+The global batch follows the membership (the per-worker batch is kept); the learning rate is
+not rescaled.
+
+Records carry ``participants`` and ``quorum_s`` (the time the step waited for its quorum).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain import env
+from scaletrain.data.partition import rank_indices, split_counts
+from scaletrain.data.plans import BatchPlan, RunEnded, StepPlan, build_sampler, load_indices
+from scaletrain.net import bound_store, url_host
+from scaletrain.strategies.base import (
+    Batch,
+    LossFn,
+    OptimizerFactory,
+    StepResult,
+    Strategy,
+    replica_memory,
+)
+
+log = logging.getLogger("scaletrain.inplace")
+
+
+def bound_checkpoint_transport(addr: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint server (healing copies the state through it), listening on
+    ``addr`` and advertising it. torchft's own listens on every interface ([::]) and
+    advertises socket.gethostname(), which need not resolve to this host elsewhere (it does
+    not inside a network namespace). This and manager_server_bound_to reach into torchft
+    0.2.0's internals (constraints/cpu.txt pins it); tests/e2e/test_netns.py checks with ss
+    that nothing listens elsewhere, so a torchft that changes them fails there, loudly."""
+    import socket
+    from http.server import ThreadingHTTPServer
+
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    class Server(ThreadingHTTPServer):
+        address_family = family
+        request_queue_size = 1024
+
+    class BoundTransport(HTTPTransport[dict[str, Any]]):
+        def __init__(self) -> None:
+            super().__init__(timeout=timeout, num_chunks=0)
+            handler = self._server.RequestHandlerClass  # type: ignore[has-type]
+            self.shutdown()  # the one on [::], before anyone learnt its address
+            self._server = Server((addr.strip("[]"), 0), handler)
+            self._thread = threading.Thread(target=self._serve, daemon=True)
+            self._thread.start()
+
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{url_host(addr)}:{port}/checkpoint/"
+
+    return BoundTransport()
+
+
+@contextlib.contextmanager
+def manager_server_bound_to(addr: str) -> Iterator[None]:
+    """torchft's Manager starts its ManagerServer on ``[::]:PORT`` (hard-coded); this makes it
+    listen on ``addr`` instead, while the Manager is built."""
+    import torchft.manager as torchft_manager
+
+    real = torchft_manager.ManagerServer
+
+    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
+        return real(*args, bind=f"{url_host(addr)}:{bind.rpartition(':')[2]}", **kwargs)
+
+    torchft_manager.ManagerServer = bound  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = real  # type: ignore[misc]
+
+
+def wait_for_peers(run_dir: Path, rank: int, world: int, timeout_s: float) -> None:
+    """First start only: every replica announces itself and waits for all, so the first step
+    runs with all of them instead of with whichever imported torch first."""
+    ready = run_dir / "logs" / "ready"
+    ready.mkdir(parents=True, exist_ok=True)
+    (ready / f"replica{rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(ready.iterdir())) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class InplaceStrategy(Strategy):
+    collective = "torchft gradient all-reduce"
+    plan_collective = "torchft quorum"
+    holds_replica = True
+
+    def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
+        from torchft import Manager, ProcessGroupGloo
+
+        cfg, ctx = self.cfg, self.ctx
+        self.module, self.loss_fn = model, loss_fn
+        self.optimizer = build_optimizer(model.parameters())
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        timeout = timedelta(seconds=cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2)
+        # This replica's own store (a group of one): torchft keeps its process-group
+        # rendezvous keys there.
+        addr = os.environ.get(env.ADDR, "127.0.0.1")
+        self.store, self._listener = bound_store(addr, 0, cfg.launch.timeout_s)
+        with manager_server_bound_to(addr):
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout),
+                load_state_dict=None,
+                state_dict=None,  # bind_state registers the loop's
+                min_replica_size=1,
+                use_async_quorum=False,  # the step's membership decides its data split
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=cfg.launch.timeout_s),
+                connect_timeout=timedelta(seconds=cfg.launch.timeout_s),
+                rank=0,
+                world_size=1,
+                store_addr=addr,
+                store_port=self.store.port,
+                lighthouse_addr=os.environ[env.LIGHTHOUSE],
+                replica_id=f"replica{ctx.rank}",
+                hostname=url_host(addr),
+                checkpoint_transport=bound_checkpoint_transport(addr, timeout),
+                heartbeat_interval=timedelta(milliseconds=100),
+            )
+        self.run_dir = Path(cfg.out)
+        if ctx.attempt == 0:
+            wait_for_peers(self.run_dir, ctx.rank, ctx.world_size, cfg.launch.timeout_s)
+
+    def build_plan(self, dataset: Any) -> BatchPlan:
+        return QuorumPlan(self, dataset)
+
+    def bind_state(
+        self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
+    ) -> None:
+        self.manager.register_state_dict_fn("trainer", load, save)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.module
+
+    def membership(self) -> tuple[int, int]:
+        """(participants, this replica's rank among them) of the quorum just formed."""
+        n, rank = self.manager.num_participants(), self.manager.participating_rank()
+        assert rank is not None, "a synchronous quorum leaves every replica participating"
+        return n, rank
+
+    def eval_part(self) -> tuple[int, int]:
+        """The last quorum's split: its participants hold the same weights."""
+        n, rank = self.membership()
+        return rank, n
+
+    def train_step(self, batch: Batch) -> StepResult:
+        n = self.manager.num_participants()
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
+        (loss * (batch.num_samples * n / batch.global_samples)).backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        compute_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.manager.allreduce(flat).wait()  # the mean over participants
+        committed = self.manager.should_commit()
+        comm_s = time.perf_counter() - t1
+        if committed:  # else a peer failed mid-step: nothing is applied
+            offset = 0
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = flat[offset : offset + g.numel()].view_as(g)
+                offset += g.numel()
+            t2 = time.perf_counter()
+            self.optimizer.step()
+            compute_s += time.perf_counter() - t2
+        return StepResult(
+            loss=loss.detach(),
+            compute_s=compute_s,
+            comm_s=comm_s,
+            wait_s=comm_s,  # a blocking all-reduce: all of it waited for
+            comm_bytes=2 * (n - 1) * flat.numel() * flat.element_size() // n,
+            committed=committed,
+            overlap=0.0,
+            extras={"participants": n},
+        )
+
+    def memory_bytes(self) -> dict[str, int]:
+        return replica_memory(self.module, self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def summary_info(self) -> dict[str, Any]:
+        return {"recovery": "inplace"}
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class QuorumPlan(BatchPlan):
+    """The sampler's plan, dealt anew at every step over that step's quorum."""
+
+    def __init__(self, strategy: InplaceStrategy, dataset: Any) -> None:
+        self.strategy, self.dataset, self.cfg = strategy, dataset, strategy.cfg
+        self.sampler = build_sampler(dataset, self.cfg, world_size=1, rank=0)
+        self.device = strategy.ctx.device
+        self.run_dir = strategy.run_dir
+
+    def _run_ended(self) -> bool:
+        """The other replicas finished the run (their final reports are there): a replica
+        that restarts after that must not train the run again alone."""
+        final = self.run_dir / "logs" / "final"
+        return final.is_dir() and any(final.iterdir())
+
+    def _data_done(self) -> bool:
+        """Every sample of the last epoch is trained: no quorum is needed to know that (so
+        the replicas that finish leave after the last step's quorum, which says how they
+        share the evaluation)."""
+        epochs = self.cfg.train.epochs
+        if self.sampler.epoch >= epochs:
+            return True
+        last = self.sampler.epoch == epochs - 1
+        return last and self.sampler.cursor >= self.sampler.num_samples
+
+    def _max_steps_reached(self, progress: Any) -> bool:
+        return bool(self.cfg.train.max_steps and progress.step >= self.cfg.train.max_steps)
+
+    def next_step(self, progress: Any) -> StepPlan | None:
+        """The quorum may heal this replica: the manager loads a peer's training state into
+        the loop, ``progress`` included (in place), and into this plan's sampler."""
+        if self._run_ended():
+            raise RunEnded("the other replicas finished the run before this one rejoined")
+        if self._max_steps_reached(progress) or self._data_done():
+            return None
+        t0 = time.perf_counter()
+        self.strategy.manager.start_quorum()  # heals first if this replica is behind
+        quorum_s = time.perf_counter() - t0
+        if self._run_ended():
+            raise RunEnded("the other replicas finished the run while this one healed")
+        if self._max_steps_reached(progress):  # healed into a finished run
+            return None
+        n, rank = self.strategy.membership()
+        self.sampler.resize(n, rank)
+        while not self.sampler.bounds():  # the epoch is done: the next starts at its beginning
+            if self.sampler.epoch + 1 >= self.cfg.train.epochs:
+                return None
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+        lo, hi = self.sampler.bounds()[0]
+        return StepPlan(
+            step=progress.step + 1,
+            epoch=self.sampler.epoch,
+            indices=rank_indices(self.sampler.order(), lo, hi, n, rank),
+            num_samples=split_counts(hi - lo, n)[rank],
+            global_samples=hi - lo,
+            wait_s=quorum_s,
+            extras={"quorum_s": quorum_s},
+        )
+
+    def load(self, plan: StepPlan) -> tuple[Any, Any]:
+        return load_indices(self.dataset, plan.indices, self.device)
+
+    def commit(self, plan: StepPlan) -> None:
+        self.sampler.commit(plan.global_samples)
+
+    def total_steps(self, progress: Any) -> int:
+        """Where the run ends, as planned with this step's membership."""
+        later = self.cfg.train.epochs - self.sampler.epoch - 1
+        steps = progress.step + len(self.sampler.bounds()) + later * self.steps_per_epoch()
+        max_steps = self.cfg.train.max_steps
+        return min(steps, max_steps) if max_steps else steps
+
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)

@@ -1,0 +1,351 @@
+"""A parameter-server worker as a strategy of the one loop: pull the parameters, compute a
+gradient on the leased batch, push it to every server, repeat until server 0 says the data is
+done (its ``LeasePlan`` then deals no more steps).
+
+Each step is one round trip per server, all servers at once: the worker sends every server
+its slice of the gradient (non-blocking sends on separate links) and waits for all replies,
+which carry the updated slices and, from server 0, the next lease. How long a reply is held
+(a bsp barrier, an ssp bound) is ``wait_s``; the rest of the round trip is ``comm_s``.
+
+A server that fails (its link raises) is waited for: the worker polls the store until the
+server announces a new incarnation, then joins it again. Under bsp a reply that says the
+worker was dropped (it stayed silent past the barrier timeout) makes it join again.
+Its metrics.jsonl record (one per push) carries ``committed`` (whether server 0 applied it:
+only then did its samples train), ``staleness``: how many updates the servers applied
+between the pull its gradient was computed on and its push (the largest over the servers),
+and the worker's own ``clock``, ``started_at`` and ``pushed_at``.
+
+The class-level checks are the parameter server's as a whole (world layout, join token).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain import env
+from scaletrain.config import RunConfig, parse_nnodes
+from scaletrain.data.plans import BatchPlan, StepPlan, load_indices
+from scaletrain.strategies.base import (
+    Batch,
+    LossFn,
+    OptimizerFactory,
+    StepResult,
+    Strategy,
+    model_bytes,
+)
+from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server.admission import JoinRefused, join_record
+from scaletrain.strategies.param_server.consistency import shard_ranges
+
+log = logging.getLogger("scaletrain.ps.worker")
+
+
+def connect_store(cfg: RunConfig) -> Any:
+    """A client connection to the job's store (the launcher hosts it: launch/ps.py)."""
+    from torch.distributed import TCPStore
+
+    host, _, port = os.environ[env.PS_STORE].rpartition(":")
+    return TCPStore(host, int(port), is_master=False,
+                    timeout=datetime.timedelta(seconds=cfg.launch.timeout_s))  # fmt: skip
+
+
+class ServerLost(RuntimeError):
+    pass
+
+
+class PSWorkerStrategy(Strategy):
+    collective = "parameter-server push and pull"
+    holds_final_model = False  # the servers hold it; the launcher assembles and scores it
+
+    # -- the launcher's checks, for the parameter server as a whole ----------------------
+    @classmethod
+    def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
+        super().check_config(cfg, world_size, model)
+        k = cfg.ps.num_servers
+        lo, hi = parse_nnodes(cfg.launch.nnodes)
+        if lo != hi:
+            raise ValueError(
+                f"nnodes: a parameter server job has a fixed set of processes; pass --nnodes N, "
+                f"not {cfg.launch.nnodes!r}"
+            )
+        if hi > 1 and not (cfg.launch.join_token_file or os.environ.get(env.JOIN_TOKEN)):
+            raise ValueError(
+                "join token: a parameter server across nodes needs the same secret on every "
+                f"node: --join-token-file PATH or ${env.JOIN_TOKEN} (otherwise each node draws "
+                "its own and their processes cannot join each other)"
+            )
+        if k >= world_size:
+            raise ValueError(
+                f"num_servers: {k} servers leave no worker in a world of {world_size} processes; "
+                f"--nproc-per-node must be more than --num-servers (e.g. --nproc-per-node "
+                f"{k + 2} --num-servers {k} gives 2 workers)"
+            )
+
+    @classmethod
+    def estimate_state_bytes(
+        cls, model: nn.Module, optimizer_copies: int, cfg: RunConfig, world_size: int
+    ) -> int | None:
+        """The larger of a worker (a replica and its gradients) and a server (its slice, the
+        optimizer state for it and a gradient buffer)."""
+        total = model_bytes(model)
+        server = -(-total // cfg.ps.num_servers) * (2 + optimizer_copies)
+        return max(2 * total, server)
+
+    # -- one worker ----------------------------------------------------------------------
+    def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.worker, self.attempt = ctx.rank, ctx.attempt
+        self.num_workers = ctx.world_size - cfg.ps.num_servers
+        self.store = connect_store(cfg)
+        self.token = os.environ[env.JOIN_TOKEN]
+        self.module, self.loss_fn = model, loss_fn
+        self.params = [p for p in model.parameters()]
+        self.numel = sum(p.numel() for p in self.params)
+        self.dtype = self.params[0].dtype
+        self.ranges = shard_ranges(self.numel, cfg.ps.num_servers)
+        self.links: dict[int, tp.Link] = {}
+        self.incarnation: dict[int, int] = {}
+        self.versions = [0] * len(self.ranges)
+        self.flat = torch.zeros(self.numel, dtype=self.dtype)
+        self.lease: tuple[int, int, list[int]] | None = None  # (epoch, step, indices); None: end
+        self.joined = False
+        self.pushes = 0
+
+    def new_store(self) -> Any:
+        """A store connection per link (see server.py)."""
+        return connect_store(self.cfg)
+
+    def build_plan(self, dataset: Any) -> BatchPlan:
+        return LeasePlan(self, dataset)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.module
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the servers hold the state; a restarted worker pulls it again
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+    def memory_bytes(self) -> dict[str, int]:
+        size = self.numel * self.flat.element_size()
+        return {"param_bytes": size, "grad_bytes": size, "optimizer_bytes": 0}
+
+    # -- connections ---------------------------------------------------------------------
+    def _link(self, k: int) -> tp.Link:
+        """A new link to server ``k``'s current incarnation (waiting for a restarted one)."""
+        key = f"ps/server{k}/incarnation"
+        self.store.wait([key])
+        deadline = time.monotonic() + self.cfg.launch.timeout_s
+        inc = int(self.store.get(key))
+        while inc == self.incarnation.get(k, -1):  # the one that failed: wait for the next
+            if time.monotonic() > deadline:
+                raise ServerLost(f"server {k} did not come back within --timeout-s")
+            time.sleep(0.1)
+            inc = int(self.store.get(key))
+        scope = f"ps/server{k}.{inc}"
+        base = f"{scope}/joins"
+        n = self.store.add(f"{base}/count", 1)
+        self.store.set(f"{base}/{n}", join_record(self.token, scope, self.worker, self.attempt))
+        self.store.wait([f"{base}/{n}/answer"])
+        answer = self.store.get(f"{base}/{n}/answer").decode()
+        if answer != "ok":
+            raise JoinRefused(
+                f"server {k} {answer}: this worker's SCALETRAIN_JOIN_TOKEN is not the servers' "
+                "(give every node the same --join-token-file)"
+            )
+        link = tp.Link(self.new_store(), f"ps/link/s{k}.{inc}/w{self.worker}.{self.attempt}",
+                       server_side=False, timeout_s=self.cfg.launch.timeout_s)  # fmt: skip
+        self.incarnation[k], self.links[k] = inc, link
+        return link
+
+    def _hello(self, k: int, step: int) -> torch.Tensor:
+        """Join server ``k`` (again): returns its reply header, parameters loaded."""
+        while True:
+            link = self.links.get(k) or self._link(k)
+            try:
+                link.send(tp.header(kind=tp.Kind.HELLO, step=step, worker=self.worker,
+                                    attempt=self.attempt))  # fmt: skip
+                return self._receive(k)
+            except RuntimeError as e:
+                log.warning("server %d lost during hello: %s", k, str(e).splitlines()[0][:160])
+                self.links.pop(k, None)
+
+    def _join(self) -> None:
+        """Join every server: server 0 first (it deals the lease whose step the others need)."""
+        self._hello(0, 0)
+        step = self.lease[1] if self.lease else 0
+        for k in range(1, len(self.ranges)):
+            self._hello(k, step)
+
+    def _buffers(self, k: int) -> list[torch.Tensor]:
+        lo, hi = self.ranges[k]
+        out = [torch.zeros(tp.HEADER, dtype=torch.int64), self.flat[lo:hi]]
+        if k == 0:
+            out.append(torch.zeros(self.cfg.train.batch_size, dtype=torch.int64))
+        return out
+
+    def _receive(self, k: int) -> torch.Tensor:
+        bufs = self._buffers(k)
+        self.links[k].recv(*bufs)
+        return self._accept_reply(k, bufs)
+
+    def _accept_reply(self, k: int, bufs: list[torch.Tensor]) -> torch.Tensor:
+        head = bufs[0]
+        self.versions[k] = int(head[tp.VERSION])
+        if k == 0:
+            if int(head[tp.STATUS]) == tp.Status.END:
+                self.lease = None
+            elif int(head[tp.STATUS]) == tp.Status.OK:
+                n = int(head[tp.LEASE_LEN])
+                self.lease = (int(head[tp.LEASE_EPOCH]), int(head[tp.LEASE_STEP]),
+                              bufs[2][:n].tolist())  # fmt: skip
+        return head
+
+    # -- the step ------------------------------------------------------------------------
+    def join(self) -> None:
+        """Join every server once, before the first step (it deals the first lease)."""
+        if not self.joined:
+            self._join()
+            self.joined = True
+
+    def _gradient(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The flat gradient of the mean loss over the batch (zeros and no loss when empty)."""
+        if not batch.num_samples:
+            return torch.zeros(self.numel, dtype=self.dtype), None
+        torch.nn.utils.vector_to_parameters(self.flat.to(self.ctx.device), self.params)
+        self.module.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
+        loss.backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return torch.cat([g.reshape(-1) for g in grads]).cpu(), loss.detach()
+
+    def train_step(self, batch: Batch) -> StepResult:
+        assert self.lease is not None
+        _, step, _ = self.lease
+        self.pushes += 1
+        t0, started_at = time.perf_counter(), time.time()
+        grad, loss = self._gradient(batch)
+        compute_s = time.perf_counter() - t0
+        t1, pushed_at = time.perf_counter(), time.time()
+        heads, lost = self._exchange(step, batch.num_samples, grad)
+        round_s = time.perf_counter() - t1
+        held_s = max((int(h[tp.HELD_US]) for h in heads.values()), default=0) / 1e6
+        dropped = any(int(h[tp.STATUS]) == tp.Status.DROPPED for h in heads.values())
+        committed = 0 in heads and bool(int(heads[0][tp.COMMITTED]))
+        if dropped:  # bsp: the barrier went on without this worker: join it again
+            log.warning("dropped from step %d; joining again", step)
+            self.lease = None  # server 0 deals a new one on the rejoin
+            self._join()
+        else:
+            next_step = self.lease[1] if self.lease else 0
+            for k in lost:  # a restarted server: join its new incarnation
+                self._hello(k, next_step)
+        return StepResult(
+            loss=loss if loss is not None else torch.zeros(()),
+            compute_s=compute_s,
+            comm_s=max(round_s - held_s, 0.0),
+            wait_s=held_s,
+            comm_bytes=grad.numel() * grad.element_size(),
+            # A push server 0 did not apply trained nothing (its lease is dealt again).
+            samples=batch.num_samples if committed else 0,
+            overlap=0.0,  # a blocking round trip
+            extras={
+                "staleness": max((int(h[tp.STALENESS]) for h in heads.values()), default=0),
+                "version": self.versions[0],
+                # This worker's own clock (pushes so far, this attempt) and when it began
+                # computing the step and pushed it: enough to check ssp's bound from outside.
+                "clock": self.pushes,
+                "started_at": started_at,
+                "pushed_at": pushed_at,
+                "committed": committed,
+            },
+        )
+
+    def finish(self) -> None:
+        for k, link in self.links.items():
+            try:
+                link.send(tp.header(kind=tp.Kind.DONE, worker=self.worker))
+            except RuntimeError:
+                log.warning("server %d gone at the end", k)
+
+    def _exchange(
+        self, step: int, num_samples: int, grad: torch.Tensor
+    ) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """Push every server its gradient slice and take every reply, all at once. Returns
+        the reply headers and the servers lost on the way (their slice was not applied)."""
+        head = tp.header(kind=tp.Kind.PUSH, step=step, num_samples=num_samples,
+                         worker=self.worker, attempt=self.attempt)  # fmt: skip
+        pending: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
+        lost: list[int] = []
+        for k, (lo, hi) in enumerate(self.ranges):
+            h = head.clone()
+            h[tp.VERSION_ON] = self.versions[k]
+            bufs = self._buffers(k)
+            try:
+                works = self.links[k].isend(h, grad[lo:hi]) + self.links[k].irecv(*bufs)
+            except RuntimeError:
+                lost.append(k)
+                continue
+            pending[k] = (works, bufs)
+        heads = {}
+        for k, (works, bufs) in pending.items():
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as e:
+                log.warning("server %d lost: %s", k, str(e).splitlines()[0][:160])
+                lost.append(k)
+                continue
+            heads[k] = self._accept_reply(k, bufs)
+        for k in lost:
+            self.links.pop(k, None)
+        if 0 in lost:  # server 0 lost the push with the lease: it deals a new one on rejoin
+            self.lease = None
+            self._hello(0, 0)
+            lost.remove(0)
+        return heads, lost
+
+
+class LeasePlan(BatchPlan):
+    """The batches server 0 leases to this worker: each reply carries the next lease."""
+
+    def __init__(self, strategy: PSWorkerStrategy, dataset: Any) -> None:
+        self.strategy, self.dataset, self.cfg = strategy, dataset, strategy.cfg
+
+    def next_step(self, progress: Any) -> StepPlan | None:
+        self.strategy.join()
+        lease = self.strategy.lease
+        if lease is None:  # server 0 says the data is done
+            return None
+        epoch, step, indices = lease
+        return StepPlan(step=step, epoch=epoch, indices=indices, num_samples=len(indices),
+                        global_samples=len(indices))  # fmt: skip
+
+    def load(self, plan: StepPlan) -> tuple[Any, Any]:
+        if not plan.indices:
+            return None, None
+        return load_indices(self.dataset, plan.indices, self.strategy.ctx.device)
+
+    def commit(self, plan: StepPlan) -> None:
+        return None  # server 0 commits (or requeues) the lease
+
+    def total_steps(self, progress: Any) -> int:
+        n, b = len(self.dataset), self.cfg.train.batch_size
+        w = self.strategy.num_workers
+        if self.cfg.ps.consistency == "bsp":
+            per_epoch = n // (b * w) if self.cfg.train.drop_last else -(-n // (b * w))
+            cap = self.cfg.train.max_steps
+        else:
+            per_epoch = n // b if self.cfg.train.drop_last else -(-n // b)
+            cap = self.cfg.train.max_steps * w
+        total = per_epoch * self.cfg.train.epochs
+        return min(total, cap) if cap else total
