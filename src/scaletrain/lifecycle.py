@@ -42,7 +42,8 @@ from scaletrain.fault.checkpoint import (
     save_rank_state,
     snapshot,
 )
-from scaletrain.fault.recovery import Progress, checkpoint_state, resume, rng_state, run_recoveries
+from scaletrain.fault.recoveries import run_recoveries
+from scaletrain.fault.recovery import Progress, checkpoint_state, resume, rng_state
 from scaletrain.fault.watchdog import NullWatchdog, Watchdog
 from scaletrain.io import atomic_torch_save, atomic_write_json
 from scaletrain.metrics.summary import RankTotals, params_sha256, run_info, summarize

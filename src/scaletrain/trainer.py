@@ -30,7 +30,8 @@ from typing import Any
 from scaletrain.config import RunConfig
 from scaletrain.data.plans import RunEnded, StepPlan
 from scaletrain.fault.inject import parse_inject
-from scaletrain.fault.recovery import Progress, mark_resumed, note_recovery
+from scaletrain.fault.recoveries import mark_resumed, note_recovery
+from scaletrain.fault.recovery import Progress
 from scaletrain.lifecycle import Checkpointing, FleetWorld, GroupWorld, World
 from scaletrain.metrics.evaluation import score
 from scaletrain.metrics.sinks import StepSinks
@@ -160,7 +161,7 @@ class Trainer:
         self.totals.add(record)
         if self.resuming:  # the first step after a restart: recovery complete
             self.resuming = False
-            mark_resumed(self.progress)
+            mark_resumed(self.progress.recoveries[-1])
             if self.ctx.is_main:
                 note_recovery(self.run_dir, self.progress.recoveries[-1])
         return True

@@ -20,7 +20,7 @@ from scaletrain.fault.checkpoint import (
     snapshot,
 )
 from scaletrain.fault.inject import CorruptCheckpoint, Hang, Kill, KillNode, Slow, parse_inject
-from scaletrain.fault.recovery import failure_details
+from scaletrain.fault.recoveries import failure_details
 from scaletrain.fault.watchdog import Beat, Watchdog, diagnose
 
 

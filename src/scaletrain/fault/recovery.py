@@ -10,7 +10,8 @@ counts a sample whose update is not in the weights.
 Restart recovery: when any worker dies, torch's elastic agent stops the group and starts it
 again (``--max-restarts``), possibly with another world size (``--nnodes MIN:MAX``); every
 worker then loads the newest valid checkpoint and the sampler re-plans the rest of the epoch
-over the ranks there are now. The recovery is recorded from DIR/logs/incidents.jsonl, where
+over the ranks there are now. The recovery entry (fault/recoveries.py, which builds every
+mode's) is made from DIR/logs/incidents.jsonl, where
 the launcher notes each death the agent detects and the watchdog each hang it detects:
 which rank, at which step (or, when a node vanished with its agent, ``cause: node-lost`` and
 the ranks that node had), when it was detected (``detected_s``: from the rank's last sign of
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +33,12 @@ import numpy as np
 import torch
 
 from scaletrain.fault.checkpoint import load_latest, load_rank_state, rng_path
+from scaletrain.fault.recoveries import (
+    failure_details,
+    note_recovery,
+    read_incidents,
+    run_recoveries,
+)
 from scaletrain.io import read_jsonl
 
 log = logging.getLogger("scaletrain.recovery")
@@ -81,108 +87,6 @@ def checkpoint_state(
         # is missing means that rank never got there (checked at resume).
         "world_size": world_size,
     }
-
-
-def read_incidents(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "logs" / "incidents.jsonl"
-    return read_jsonl(path)
-
-
-def failure_details(
-    incidents: list[dict[str, Any]],
-    records: list[dict[str, Any]],
-    attempt: int,
-    started_at: int = 0,
-) -> dict[str, Any]:
-    """What ended ``attempt``, which started after step ``started_at``: cause, rank(s), step,
-    detection time. A hang (named by the watchdog) explains the deaths it caused, so it wins
-    over them."""
-    mine = [i for i in incidents if i.get("attempt") == attempt]
-    # A rank that could not read the heartbeats (it may be the one cut off) only guesses.
-    hangs = sorted((i for i in mine if i["kind"] == "hang"),
-                   key=lambda i: bool(i.get("store_unreachable")))  # fmt: skip
-    if not mine:
-        return {"cause": "unknown", "rank": None, "ranks": [], "failed_step": None,
-                "detected_at": None, "detected_s": None, "resumed_s": None}  # fmt: skip
-    incident = hangs[0] if hangs else mine[0]
-    ranks = incident["ranks"]
-    lost = lost_ranks(mine, records, attempt) if not hangs else []
-    if lost:
-        incident = {**min(mine, key=lambda i: i["detected_at"]), "kind": "node-lost"}
-        ranks = lost
-    if incident["kind"] == "death" and len(ranks) > 1:
-        ranks = _stopped_first(ranks, records, attempt)
-    last = [r for r in records if r.get("attempt") == attempt and (not ranks or r["rank"] in ranks)]
-    if incident["kind"] == "hang":
-        failed_step, since = incident["step"], incident["stalled_since"]
-    else:
-        failed_step = max((r["step"] for r in last), default=started_at) + 1
-        since = max((r.get("unix_time", 0.0) for r in last), default=0.0) or None
-    detected_at = incident["detected_at"]
-    return {
-        "cause": incident["kind"],
-        "rank": ranks[0] if ranks else None,
-        "ranks": ranks,
-        "failed_step": failed_step,
-        "detected_at": detected_at,
-        "detected_s": detected_at - since if since else None,
-        "resumed_s": None,
-    }
-
-
-def _stopped_first(ranks: list[int], records: list[dict[str, Any]], attempt: int) -> list[int]:
-    """Of the ranks a death report names (every rank that left no error file: the one that
-    died, and those the agent then stopped with SIGTERM before they could write one), the
-    ones that stopped at the earliest step. A rank that went on training after another one
-    stopped did not die first: between local-SGD synchronizations nothing holds the others
-    back, and they ran on until the agent stopped them. In lockstep (ddp) all stopped at the
-    same step and the agent's order stands."""
-    reached = {rank: 0 for rank in ranks}
-    for r in records:
-        if r.get("attempt") == attempt and r["rank"] in reached:
-            reached[r["rank"]] = max(reached[r["rank"]], r["step"])
-    earliest = min(reached.values())
-    return [rank for rank in ranks if reached[rank] == earliest]
-
-
-def lost_ranks(
-    incidents: list[dict[str, Any]], records: list[dict[str, Any]], attempt: int
-) -> list[int]:
-    """Ranks of ``attempt`` whose node reported nothing, when every node that did report saw
-    only symptoms (its collectives broke): those ranks' node is gone, agent and all, as when
-    a machine dies. Empty when some node names a cause of its own."""
-    if not incidents or not all(i.get("collateral") for i in incidents):
-        return []
-    reported = {r for i in incidents for r in i.get("node_ranks", [])}
-    trained = {r["rank"] for r in records if r.get("attempt") == attempt}
-    return sorted(trained - reported)
-
-
-def mark_resumed(progress: Progress) -> None:
-    """Called after the first step of a restarted attempt: the recovery is complete."""
-    entry = progress.recoveries[-1]
-    if entry.get("detected_at"):
-        entry["resumed_s"] = time.time() - entry["detected_at"]
-
-
-def note_recovery(run_dir: Path, entry: dict[str, Any]) -> None:
-    """Append ``entry`` to DIR/logs/recoveries.jsonl (rank 0 does, when it resumes and again
-    when the recovery completes). A checkpoint carries the recoveries before it, so a restart
-    whose world failed again before its next checkpoint is in no checkpoint: this file keeps
-    it for summary.json."""
-    from scaletrain.io import append_jsonl
-
-    append_jsonl(run_dir / "logs" / "recoveries.jsonl", entry)
-
-
-def run_recoveries(run_dir: Path, carried: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every restart of the run, one entry per attempt in attempt order: those ``carried`` in
-    the loop's progress and those only DIR/logs/recoveries.jsonl holds (the later line of an
-    attempt wins: it has ``resumed_s``)."""
-    by_attempt = {entry["attempt"]: entry for entry in carried}
-    for entry in read_jsonl(run_dir / "logs" / "recoveries.jsonl"):
-        by_attempt[entry["attempt"]] = entry
-    return [by_attempt[a] for a in sorted(by_attempt)]
 
 
 def progress_step(state: dict[str, Any]) -> int:

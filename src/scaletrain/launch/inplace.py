@@ -28,6 +28,7 @@ from typing import Any
 
 from scaletrain import env
 from scaletrain.config import RunConfig
+from scaletrain.fault.recoveries import inplace_recoveries
 from scaletrain.io import atomic_write_json, read_jsonl
 from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals
@@ -123,46 +124,7 @@ class Supervisor(JobFleet):
                 deaths.append({"rank": rank, "attempt": last["attempt"], "restarted": False,
                                "died_at": last["unix_time"], "cause": "left: its node "
                                "stopped answering (down, or cut off)"})  # fmt: skip
-        out = []
-        for death in deaths:
-            rank, died = death["rank"], death["died_at"]
-            mine = [r for r in records if r["rank"] == rank and r["attempt"] == death["attempt"]]
-            # A death recorded after the replica had stopped stepping (its node lost the
-            # network and noticed late) is timed from its last step.
-            died = min(died, max((r["unix_time"] for r in mine), default=died) + 1.0)
-            failed_step = max((r["step"] for r in mine), default=0) + 1
-            before = max((r["participants"] for r in mine), default=self.world)
-            # The others' steps from the one it did not record: the first with fewer
-            # participants is the first without it (it may have died after committing a
-            # step, before writing its record).
-            later = sorted((r for r in records if r["rank"] != rank and r["step"] >= failed_step),
-                           key=lambda r: r["unix_time"])  # fmt: skip
-            after = [r for r in later if r["participants"] < before] or later
-            entry = {
-                "kind": "inplace",
-                "rank": rank,
-                "cause": death["cause"],
-                "failed_step": failed_step,
-                "failed_at": died,
-                "lost_steps": 0,
-                "world_size": after[0]["participants"] if after else None,
-                "step": after[0]["step"] - 1 if after else None,
-                "detected_s": None,
-                "resumed_s": None,
-            }
-            if after:
-                first = after[0]
-                quorum_at = first["unix_time"] - first["step_s"] + first["quorum_s"]
-                entry["detected_s"] = max(quorum_at - died, 0.0)
-                entry["resumed_s"] = first["unix_time"] - max(quorum_at, died)
-            if death["restarted"]:
-                back = [r for r in records
-                        if r["rank"] == rank and r["attempt"] == death["attempt"] + 1]  # fmt: skip
-                if back and "restarted_at" in death:
-                    entry["rejoined_step"] = back[0]["step"]
-                    entry["rejoin_s"] = back[0]["unix_time"] - death["restarted_at"]
-            out.append(entry)
-        return sorted(out, key=lambda e: e["failed_at"])
+        return inplace_recoveries(deaths, records, self.world)
 
     def wait_for_remote_finals(self, timeout_s: float = 30.0) -> None:
         """Replicas of other nodes that reached the last step write their finals a moment

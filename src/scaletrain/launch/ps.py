@@ -26,6 +26,7 @@ from typing import Any
 
 from scaletrain import env
 from scaletrain.config import RunConfig
+from scaletrain.fault.recoveries import ps_recoveries
 from scaletrain.io import atomic_write_json, read_jsonl
 from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals, save_final_model
@@ -230,55 +231,12 @@ def recoveries(fleet: PSFleet) -> list[dict[str, Any]]:
     the restarted process was serving or training again."""
     events = read_jsonl(fleet.run_dir / "logs" / "ps_events.jsonl")
     records = read_jsonl(fleet.run_dir / "metrics.jsonl")
-    out: list[dict[str, Any]] = []
     # Deaths on other nodes, from the incidents their fleets appended to the shared run dir.
     incidents = read_jsonl(fleet.run_dir / "logs" / "incidents.jsonl")
     kinds = ("ps-worker", "ps-server")
     remote = [i for i in incidents if i["kind"] in kinds and i["rank"] not in fleet.local]
-    for death in [*fleet.deaths, *remote, *fleet.node_losses]:
-        rank, died = death["rank"], death["died_at"]
-        entry: dict[str, Any] = {
-            "kind": fleet.kind(rank),
-            "rank": rank,
-            "cause": death["cause"],
-            "failed_at": died,
-            "restarted": death["restarted"],
-        }
-        if fleet.is_worker(rank):
-            lost = [e for e in events if e["event"] == "worker_lost" and e["worker"] == rank
-                    and e["unix_time"] >= died - 1.0]  # fmt: skip
-            # The servers' links break at once; this launcher's poll may notice a little later.
-            first = min((e["unix_time"] for e in lost), default=None)
-            entry["detected_s"] = max(0.0, first - died) if first is not None else None
-            mine = [r for r in records if r["rank"] == rank and r["attempt"] == death["attempt"]]
-            entry["failed_step"] = max((r["step"] for r in mine), default=0) + 1
-            entry["requeued_samples"] = sum(e.get("requeued", 0) for e in lost)
-            entry["lost_steps"] = 0
-            # The others did not stop: their first applied step after the death.
-            after = [r for r in records if r["rank"] != rank and r["unix_time"] > died]
-            entry["others_next_step_s"] = (
-                min(r["unix_time"] for r in after) - died if after else None
-            )
-            back = [r for r in records
-                    if r["rank"] == rank and r["attempt"] == death["attempt"] + 1]  # fmt: skip
-            if back and "restarted_at" in death:
-                entry["rejoined_step"] = back[0]["step"]
-                entry["resumed_s"] = back[0]["unix_time"] - died
-        else:
-            server = rank - fleet.num_workers
-            restored = [e for e in events if e["event"] == "restored" and e["server"] == server
-                        and e["attempt"] == death["attempt"] + 1]  # fmt: skip
-            entry["server"] = server
-            entry["restored_version"] = restored[0]["version"] if restored else None
-            entry["resumed_s"] = restored[0]["unix_time"] - died if restored else None
-            entry["detected_s"] = 0.0  # a link breaks the moment its process dies
-        out.append(entry)
-    for e in events:  # workers dropped from a bsp barrier without dying
-        if e["event"] == "worker_lost" and e["how"] == "barrier timeout":
-            out.append({"kind": "ps-drop", "rank": e["worker"], "server": e["server"],
-                        "cause": "silent past --barrier-timeout-s", "failed_at": e["unix_time"],
-                        "lost_steps": 0})  # fmt: skip
-    return out
+    deaths = [*fleet.deaths, *remote, *fleet.node_losses]
+    return ps_recoveries(deaths, events, records, fleet.num_workers)
 
 
 def assemble(cfg: RunConfig, run_dir: Path, num_servers: int) -> tuple[Any, list[dict[str, Any]]]:

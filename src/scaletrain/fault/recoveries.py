@@ -1,0 +1,237 @@
+"""summary.json's ``recoveries``, for every mode: one entry per failure, built from what
+the run left on disk. Pure functions of the records: metrics.jsonl (every rank's steps, with
+attempt and time), logs/incidents.jsonl (each death a launcher noticed, each hang a watchdog
+diagnosed), logs/ps_events.jsonl (what the parameter servers saw).
+
+- restart: ``failure_details`` says what ended an attempt; the restarted world's ``resume``
+  (recovery.py) makes the entry, and ``run_recoveries`` adds the restarts whose world failed
+  again before it could checkpoint them (logs/recoveries.jsonl).
+- inplace: ``inplace_recoveries``: from each death to the survivors' first quorum without it
+  (``detected_s``), to their first committed step (``resumed_s``), and a restarted replica's
+  ``rejoined_step``; nothing is rolled back.
+- ps: ``ps_recoveries``: what the servers saw of a worker's death (its requeued lease) and
+  how long the others went on, a server's restored version; bsp drops.
+
+Every entry has ``kind``, ``rank``, ``cause``, ``failed_step`` or ``failed_at``,
+``detected_s``, ``resumed_s`` and ``lost_steps``, as far as the mode can know them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from scaletrain.io import append_jsonl, read_jsonl
+
+Record = dict[str, Any]
+
+
+def attempt_records(records: list[Record], rank: int, attempt: int) -> list[Record]:
+    """``rank``'s steps in ``attempt``, as metrics.jsonl holds them."""
+    return [r for r in records if r["rank"] == rank and r.get("attempt") == attempt]
+
+
+def failed_step(mine: list[Record], default: int = 0) -> int:
+    """The step a process did not finish: the one after its last record."""
+    return max((r["step"] for r in mine), default=default) + 1
+
+
+def rejoin(records: list[Record], death: Record) -> Record | None:
+    """The first step a restarted process recorded in its next attempt, or None."""
+    back = attempt_records(records, death["rank"], death["attempt"] + 1)
+    return back[0] if back and "restarted_at" in death else None
+
+
+def read_incidents(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "logs" / "incidents.jsonl"
+    return read_jsonl(path)
+
+
+def failure_details(
+    incidents: list[dict[str, Any]],
+    records: list[dict[str, Any]],
+    attempt: int,
+    started_at: int = 0,
+) -> dict[str, Any]:
+    """What ended ``attempt``, which started after step ``started_at``: cause, rank(s), step,
+    detection time. A hang (named by the watchdog) explains the deaths it caused, so it wins
+    over them."""
+    mine = [i for i in incidents if i.get("attempt") == attempt]
+    # A rank that could not read the heartbeats (it may be the one cut off) only guesses.
+    hangs = sorted((i for i in mine if i["kind"] == "hang"),
+                   key=lambda i: bool(i.get("store_unreachable")))  # fmt: skip
+    if not mine:
+        return {"cause": "unknown", "rank": None, "ranks": [], "failed_step": None,
+                "detected_at": None, "detected_s": None, "resumed_s": None}  # fmt: skip
+    incident = hangs[0] if hangs else mine[0]
+    ranks = incident["ranks"]
+    lost = lost_ranks(mine, records, attempt) if not hangs else []
+    if lost:
+        incident = {**min(mine, key=lambda i: i["detected_at"]), "kind": "node-lost"}
+        ranks = lost
+    if incident["kind"] == "death" and len(ranks) > 1:
+        ranks = _stopped_first(ranks, records, attempt)
+    last = [r for r in records if r.get("attempt") == attempt and (not ranks or r["rank"] in ranks)]
+    if incident["kind"] == "hang":
+        failed_step, since = incident["step"], incident["stalled_since"]
+    else:
+        failed_step = max((r["step"] for r in last), default=started_at) + 1
+        since = max((r.get("unix_time", 0.0) for r in last), default=0.0) or None
+    detected_at = incident["detected_at"]
+    return {
+        "cause": incident["kind"],
+        "rank": ranks[0] if ranks else None,
+        "ranks": ranks,
+        "failed_step": failed_step,
+        "detected_at": detected_at,
+        "detected_s": detected_at - since if since else None,
+        "resumed_s": None,
+    }
+
+
+def _stopped_first(ranks: list[int], records: list[dict[str, Any]], attempt: int) -> list[int]:
+    """Of the ranks a death report names (every rank that left no error file: the one that
+    died, and those the agent then stopped with SIGTERM before they could write one), the
+    ones that stopped at the earliest step. A rank that went on training after another one
+    stopped did not die first: between local-SGD synchronizations nothing holds the others
+    back, and they ran on until the agent stopped them. In lockstep (ddp) all stopped at the
+    same step and the agent's order stands."""
+    reached = {rank: 0 for rank in ranks}
+    for r in records:
+        if r.get("attempt") == attempt and r["rank"] in reached:
+            reached[r["rank"]] = max(reached[r["rank"]], r["step"])
+    earliest = min(reached.values())
+    return [rank for rank in ranks if reached[rank] == earliest]
+
+
+def lost_ranks(
+    incidents: list[dict[str, Any]], records: list[dict[str, Any]], attempt: int
+) -> list[int]:
+    """Ranks of ``attempt`` whose node reported nothing, when every node that did report saw
+    only symptoms (its collectives broke): those ranks' node is gone, agent and all, as when
+    a machine dies. Empty when some node names a cause of its own."""
+    if not incidents or not all(i.get("collateral") for i in incidents):
+        return []
+    reported = {r for i in incidents for r in i.get("node_ranks", [])}
+    trained = {r["rank"] for r in records if r.get("attempt") == attempt}
+    return sorted(trained - reported)
+
+
+def mark_resumed(entry: dict[str, Any]) -> None:
+    """Called after the first step of a restarted attempt: the recovery is complete."""
+    if entry.get("detected_at"):
+        entry["resumed_s"] = time.time() - entry["detected_at"]
+
+
+def note_recovery(run_dir: Path, entry: dict[str, Any]) -> None:
+    """Append ``entry`` to DIR/logs/recoveries.jsonl (rank 0 does, when it resumes and again
+    when the recovery completes). A checkpoint carries the recoveries before it, so a restart
+    whose world failed again before its next checkpoint is in no checkpoint: this file keeps
+    it for summary.json."""
+    append_jsonl(run_dir / "logs" / "recoveries.jsonl", entry)
+
+
+def run_recoveries(run_dir: Path, carried: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every restart of the run, one entry per attempt in attempt order: those ``carried`` in
+    the loop's progress and those only DIR/logs/recoveries.jsonl holds (the later line of an
+    attempt wins: it has ``resumed_s``)."""
+    by_attempt = {entry["attempt"]: entry for entry in carried}
+    for entry in read_jsonl(run_dir / "logs" / "recoveries.jsonl"):
+        by_attempt[entry["attempt"]] = entry
+    return [by_attempt[a] for a in sorted(by_attempt)]
+
+
+def inplace_recoveries(deaths: list[Record], records: list[Record], world: int) -> list[Record]:
+    """One entry per replica death (``deaths``: rank, attempt, died_at, cause, restarted and,
+    when restarted, restarted_at), timed from the others' steps."""
+    out = []
+    for death in deaths:
+        rank, died = death["rank"], death["died_at"]
+        mine = attempt_records(records, rank, death["attempt"])
+        # A death recorded after the replica had stopped stepping (its node lost the
+        # network and noticed late) is timed from its last step.
+        died = min(died, max((r["unix_time"] for r in mine), default=died) + 1.0)
+        failed = failed_step(mine)
+        before = max((r["participants"] for r in mine), default=world)
+        # The others' steps from the one it did not record: the first with fewer
+        # participants is the first without it (it may have died after committing a
+        # step, before writing its record).
+        later = sorted((r for r in records if r["rank"] != rank and r["step"] >= failed),
+                       key=lambda r: r["unix_time"])  # fmt: skip
+        after = [r for r in later if r["participants"] < before] or later
+        entry: Record = {
+            "kind": "inplace",
+            "rank": rank,
+            "cause": death["cause"],
+            "failed_step": failed,
+            "failed_at": died,
+            "lost_steps": 0,
+            "world_size": after[0]["participants"] if after else None,
+            "step": after[0]["step"] - 1 if after else None,
+            "detected_s": None,
+            "resumed_s": None,
+        }
+        if after:
+            first = after[0]
+            quorum_at = first["unix_time"] - first["step_s"] + first["quorum_s"]
+            entry["detected_s"] = max(quorum_at - died, 0.0)
+            entry["resumed_s"] = first["unix_time"] - max(quorum_at, died)
+        back = rejoin(records, death) if death["restarted"] else None
+        if back is not None:
+            entry["rejoined_step"] = back["step"]
+            entry["rejoin_s"] = back["unix_time"] - death["restarted_at"]
+        out.append(entry)
+    return sorted(out, key=lambda e: e["failed_at"])
+
+
+def ps_recoveries(
+    deaths: list[Record], events: list[Record], records: list[Record], num_workers: int
+) -> list[Record]:
+    """One entry per process death (ranks below ``num_workers`` are workers, the others
+    servers), with what the servers saw of it and how long until the restarted process was
+    serving or training again; then the workers a bsp barrier dropped without a death."""
+    out: list[Record] = []
+    for death in deaths:
+        rank, died = death["rank"], death["died_at"]
+        worker = rank < num_workers
+        entry: Record = {
+            "kind": "ps-worker" if worker else "ps-server",
+            "rank": rank,
+            "cause": death["cause"],
+            "failed_at": died,
+            "restarted": death["restarted"],
+        }
+        if worker:
+            lost = [e for e in events if e["event"] == "worker_lost" and e["worker"] == rank
+                    and e["unix_time"] >= died - 1.0]  # fmt: skip
+            # The servers' links break at once; the launcher's poll may notice a little later.
+            first = min((e["unix_time"] for e in lost), default=None)
+            entry["detected_s"] = max(0.0, first - died) if first is not None else None
+            entry["failed_step"] = failed_step(attempt_records(records, rank, death["attempt"]))
+            entry["requeued_samples"] = sum(e.get("requeued", 0) for e in lost)
+            entry["lost_steps"] = 0
+            # The others did not stop: their first applied step after the death.
+            after = [r for r in records if r["rank"] != rank and r["unix_time"] > died]
+            entry["others_next_step_s"] = (
+                min(r["unix_time"] for r in after) - died if after else None
+            )
+            back = rejoin(records, death)
+            if back is not None:
+                entry["rejoined_step"] = back["step"]
+                entry["resumed_s"] = back["unix_time"] - died
+        else:
+            server = rank - num_workers
+            restored = [e for e in events if e["event"] == "restored" and e["server"] == server
+                        and e["attempt"] == death["attempt"] + 1]  # fmt: skip
+            entry["server"] = server
+            entry["restored_version"] = restored[0]["version"] if restored else None
+            entry["resumed_s"] = restored[0]["unix_time"] - died if restored else None
+            entry["detected_s"] = 0.0  # a link breaks the moment its process dies
+        out.append(entry)
+    for e in events:  # workers dropped from a bsp barrier without dying
+        if e["event"] == "worker_lost" and e["how"] == "barrier timeout":
+            out.append({"kind": "ps-drop", "rank": e["worker"], "server": e["server"],
+                        "cause": "silent past --barrier-timeout-s", "failed_at": e["unix_time"],
+                        "lost_steps": 0})  # fmt: skip
+    return out
