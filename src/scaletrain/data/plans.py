@@ -108,7 +108,39 @@ def build_sampler(dataset: Any, cfg: Any, *, world_size: int, rank: int) -> Glob
     )
 
 
-class SamplerPlan(BatchPlan):
+class SampledPlan(BatchPlan):
+    """A plan that deals the sampler's global steps (sampler.py): its state is the sampler's
+    (epoch, cursor), which a committed step advances."""
+
+    sampler: GlobalBatchSampler
+    cfg: Any
+
+    def remaining(self) -> int:
+        """Steps of the current epoch not dealt yet."""
+        return len(self.sampler.bounds())
+
+    def total_steps(self, progress: Any) -> int:
+        """The rest of the current epoch under this world size, then whole epochs, capped by
+        --max-steps."""
+        later = self.cfg.train.epochs - self.sampler.epoch - 1
+        steps = progress.step + self.remaining() + later * self.sampler.steps_per_epoch()
+        max_steps = self.cfg.train.max_steps
+        return min(steps, max_steps) if max_steps else steps
+
+    def commit(self, plan: StepPlan) -> None:
+        self.sampler.commit(plan.global_samples)
+
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+
+class SamplerPlan(SampledPlan):
     """The sampler's plan over a fixed set of data-parallel ranks (the ranks of one pipeline
     or tensor-parallel group share a data rank, and so a batch)."""
 
@@ -153,24 +185,9 @@ class SamplerPlan(BatchPlan):
         inputs, targets = next(self._batches)
         return to_device(inputs, self.device), to_device(targets, self.device)
 
-    def commit(self, plan: StepPlan) -> None:
-        self.sampler.commit(plan.global_samples)
-
-    def total_steps(self, progress: Any) -> int:
-        """The rest of the current epoch under this world size, then whole epochs, capped by
-        --max-steps."""
-        remaining = len(self.sampler.bounds()) if self._epoch is None else len(self._bounds)
-        later = self.cfg.train.epochs - self.sampler.epoch - 1
-        steps = progress.step + remaining + later * self.sampler.steps_per_epoch()
-        max_steps = self.cfg.train.max_steps
-        return min(steps, max_steps) if max_steps else steps
-
-    def steps_per_epoch(self) -> int:
-        return self.sampler.steps_per_epoch()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+    def remaining(self) -> int:
+        return len(self.sampler.bounds()) if self._epoch is None else len(self._bounds)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
+        super().load_state_dict(state)
         self._epoch = None  # the next step re-plans the restored epoch from its cursor

@@ -44,7 +44,14 @@ from torch import nn
 
 from scaletrain import env
 from scaletrain.data.partition import rank_indices, split_counts
-from scaletrain.data.plans import BatchPlan, RunEnded, StepPlan, build_sampler, load_indices
+from scaletrain.data.plans import (
+    BatchPlan,
+    RunEnded,
+    SampledPlan,
+    StepPlan,
+    build_sampler,
+    load_indices,
+)
 from scaletrain.net import bound_store, url_host
 from scaletrain.strategies.base import (
     Batch,
@@ -234,7 +241,7 @@ class InplaceStrategy(Strategy):
         self.manager.shutdown(wait=False)
 
 
-class QuorumPlan(BatchPlan):
+class QuorumPlan(SampledPlan):
     """The sampler's plan, dealt anew at every step over that step's quorum."""
 
     def __init__(self, strategy: InplaceStrategy, dataset: Any) -> None:
@@ -295,22 +302,3 @@ class QuorumPlan(BatchPlan):
 
     def load(self, plan: StepPlan) -> tuple[Any, Any]:
         return load_indices(self.dataset, plan.indices, self.device)
-
-    def commit(self, plan: StepPlan) -> None:
-        self.sampler.commit(plan.global_samples)
-
-    def total_steps(self, progress: Any) -> int:
-        """Where the run ends, as planned with this step's membership."""
-        later = self.cfg.train.epochs - self.sampler.epoch - 1
-        steps = progress.step + len(self.sampler.bounds()) + later * self.steps_per_epoch()
-        max_steps = self.cfg.train.max_steps
-        return min(steps, max_steps) if max_steps else steps
-
-    def steps_per_epoch(self) -> int:
-        return self.sampler.steps_per_epoch()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
