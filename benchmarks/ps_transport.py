@@ -1,7 +1,7 @@
 """The parameter server's transport choice, measured: a push-and-pull round trip (send a
 gradient slice, receive the parameter slice back) between two processes on loopback, over
 (a) a two-rank gloo process group with point-to-point send/recv, as transport.py does, and
-(b) torch.distributed.rpc (TensorPipe) rpc_sync, the other candidate DESIGN.md names.
+(b) torch.distributed.rpc (TensorPipe) rpc_sync, the other candidate transport.
 Also: whether a process that died can come back. For gloo, a restarted peer builds a new
 pair under a new store prefix; for RPC, it calls init_rpc again into the running world.
 
