@@ -49,6 +49,7 @@ bench: install
 	$(BIN)/python benchmarks/costmodel.py
 	$(BIN)/python benchmarks/ps_stragglers.py
 	$(BIN)/python benchmarks/ps_transport.py
+	$(BIN)/python benchmarks/activation_memory.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -119,6 +119,10 @@ class LaunchSection:
             )
 
 
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
+LR_SCHEDULES = ("constant", "cosine", "linear", "step")
+
+
 @dataclass(kw_only=True)
 class TrainSection:
     """The training loop."""
@@ -142,6 +146,24 @@ class TrainSection:
         default=0,
         metadata={"help": "refuse a strategy whose per-rank training state exceeds this (bytes)"},
     )
+    precision: str = field(
+        default="32",
+        metadata={"help": "32, bf16-mixed or fp16-mixed (autocast; fp16 with a loss scaler)"},
+    )
+    grad_accum: int = field(
+        default=1,
+        metadata={
+            "help": "micro-batches of --batch-size per optimizer step (gradients synchronized "
+            "once, after the last)"
+        },
+    )
+    eval_every: int = field(
+        default=0, metadata={"help": "score the test split every N steps (0: only at the end)"}
+    )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "recompute each block's activations in backward instead of keeping them"},
+    )
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
@@ -149,6 +171,13 @@ class TrainSection:
         _require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         _require(self.num_threads >= 0, "num_threads", f"must be >= 0, got {self.num_threads}")
         _require(self.max_memory_per_rank >= 0, "max_memory_per_rank", "must be >= 0")
+        _require(
+            self.precision in PRECISIONS,
+            "precision",
+            f"must be one of {', '.join(PRECISIONS)}; got {self.precision!r}",
+        )
+        _require(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
+        _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
         _require(
             self.device in ("auto", "cpu", "cuda"),
             "device",
@@ -205,11 +234,27 @@ class OptimSection:
     lr: float = field(default=0.05, metadata={"help": "learning rate"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
+    clip_grad_norm: float = field(
+        default=0.0,
+        metadata={"help": "clip the gradient's global norm (over all ranks) to this (0: off)"},
+    )
+    lr_schedule: str = field(
+        default="constant",
+        metadata={"help": "constant, cosine, linear (to 0) or step (x0.1 at 50% and 75%)"},
+    )
+    warmup_steps: int = field(default=0, metadata={"help": "steps of linear warmup from 0 to --lr"})
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(self.clip_grad_norm >= 0, "clip_grad_norm", "must be >= 0 (0: off)")
+        _require(
+            self.lr_schedule in LR_SCHEDULES,
+            "lr_schedule",
+            f"must be one of {', '.join(LR_SCHEDULES)}; got {self.lr_schedule!r}",
+        )
+        _require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
 
 
 RECOVERY_MODES = ("restart", "inplace")
@@ -393,6 +438,12 @@ class RunConfig:
     comm: CommSection = field(default_factory=CommSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     ps: PsSection = field(default_factory=PsSection)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples one data-parallel rank trains per optimizer step: --grad-accum
+        micro-batches of --batch-size."""
+        return self.train.batch_size * self.train.grad_accum
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -77,6 +77,14 @@ class World(ABC):
     def finish(self, trainer: Trainer, final: RankTotals) -> dict[str, Any] | None:
         """Report this process's ``final`` totals; summary.json where this process writes it."""
 
+    @abstractmethod
+    def eval_part(self, trainer: Trainer) -> tuple[int, int] | None:
+        """The slice of the test split this process scores during training (None: none)."""
+
+    @abstractmethod
+    def sum_counts(self, trainer: Trainer, counts: tuple[float, ...]) -> tuple[float, ...]:
+        """The evaluation's counts over every part (a collective where there is a group)."""
+
 
 class GroupWorld(World):
     def watchdog(self, trainer: Trainer) -> NullWatchdog:
@@ -94,6 +102,15 @@ class GroupWorld(World):
         if trainer.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag) == 0
+
+    def eval_part(self, trainer: Trainer) -> tuple[int, int] | None:
+        return trainer.strategy.eval_part()
+
+    def sum_counts(self, trainer: Trainer, counts: tuple[float, ...]) -> tuple[float, ...]:
+        summed = torch.tensor(counts, dtype=torch.float64, device=trainer.ctx.device)
+        if trainer.ctx.world_size > 1:
+            dist.all_reduce(summed)
+        return tuple(float(c) for c in summed)
 
     def check_same_checkpoints(self, trainer: Trainer) -> None:
         """Every rank must resume from the same checkpoint. Across nodes that needs --out on
@@ -176,6 +193,14 @@ class FleetWorld(World):
 
     def resume(self, trainer: Trainer) -> Progress | None:
         return None
+
+    def eval_part(self, trainer: Trainer) -> tuple[int, int] | None:
+        """No group to add parts over: the first process (quorum rank 0 of a torchft step,
+        worker 0 of a parameter server) scores the whole split, the others none."""
+        return (0, 1) if trainer.strategy.eval_part()[0] == 0 else None
+
+    def sum_counts(self, trainer: Trainer, counts: tuple[float, ...]) -> tuple[float, ...]:
+        return counts
 
     def finish(self, trainer: Trainer, final: RankTotals) -> dict[str, Any] | None:
         strategy = trainer.strategy

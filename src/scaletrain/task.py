@@ -39,6 +39,8 @@ class Task:
     reduction): scaletrain reweights per-rank means into the global mean over all samples.
     ``build_optimizer`` defaults to the optimizer named in the config (--optimizer, --lr, ...).
     ``eval_fn`` returns (correct, total) for a test batch; test accuracy is their global ratio.
+    ``checkpoint_modules``: the module types --activation-checkpointing recomputes (default:
+    the model's own ``activation_checkpoint_modules()``, which the built-in transformer has).
     """
 
     model: nn.Module
@@ -47,6 +49,7 @@ class Task:
     loss_fn: LossFn = field(default=nn.functional.cross_entropy)
     build_optimizer: OptimizerFactory | None = None
     eval_fn: Callable[[Any, Any], tuple[int, int]] | None = count_correct
+    checkpoint_modules: tuple[type[nn.Module], ...] = ()
 
 
 OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter], RunConfig], torch.optim.Optimizer]] = {

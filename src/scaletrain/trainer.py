@@ -37,7 +37,9 @@ from scaletrain.metrics.evaluation import score
 from scaletrain.metrics.sinks import StepSinks
 from scaletrain.metrics.summary import RankTotals, params_sha256, peak_rss_bytes
 from scaletrain.metrics.timers import overlap_ratio
+from scaletrain.models.checkpointing import apply_activation_checkpointing, checkpoint_types
 from scaletrain.runtime import DistContext
+from scaletrain.schedule import lr_factor
 from scaletrain.strategies import Batch, StepResult, build_strategy
 from scaletrain.task import Task, build_optimizer
 
@@ -48,6 +50,10 @@ class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, task: Task, run_dir: Path) -> None:
         self.cfg, self.ctx, self.task, self.run_dir = cfg, ctx, task, run_dir
         self.strategy = build_strategy(cfg, ctx)
+        if cfg.train.activation_checkpointing:  # before any strategy wraps the model
+            types = checkpoint_types(task.model, task.checkpoint_modules)
+            log.info("activation checkpointing: %d blocks",
+                     apply_activation_checkpointing(task.model, types))  # fmt: skip
         self.strategy.setup(
             task.model.to(ctx.device),
             lambda params: build_optimizer(task, params, cfg),
@@ -70,13 +76,18 @@ class Trainer:
         """The strategy's state (a marker when it is sharded: every rank saves its shards
         with DCP beside the checkpoint) and the plan's."""
         strategy = {"sharded": True} if sharded else self.strategy.state_dict()
-        return {"strategy": strategy, "sampler": self.plan.state_dict()}
+        return {
+            "strategy": strategy,
+            "sampler": self.plan.state_dict(),
+            "essentials": self.strategy.essentials_state_dict(),  # fp16's loss scale
+        }
 
     def restore_checkpoint(self, state: dict[str, Any], rank_part: dict[str, Any] | None) -> None:
         self.strategy.load_state_dict(state["strategy"])
         if rank_part is not None:
             self.strategy.load_rank_state_dict(rank_part)
         self.plan.load_state_dict(state["sampler"])
+        self.strategy.load_essentials_state_dict(state.get("essentials", {}))
 
     def heal_state(self) -> dict[str, Any]:
         return {**self.training_state(), "progress": asdict(self.progress)}
@@ -139,6 +150,7 @@ class Trainer:
         t1 = time.perf_counter()
         inputs, targets = self.plan.load(plan)
         data_s = time.perf_counter() - t1
+        lr = self._set_lr()
         self.watchdog.enter(step, "train step", self.strategy.collective)
         result = self.strategy.train_step(
             Batch(inputs=inputs, targets=targets, num_samples=plan.num_samples,
@@ -157,6 +169,11 @@ class Trainer:
         checkpoint_s = self.checkpoints.maybe_save() if self.checkpoints is not None else 0.0
         self.checkpoint_s += checkpoint_s
         record = self._record(plan, result, t0, data_s, slowed_s, checkpoint_s)
+        if lr is not None:
+            record["lr"] = lr
+        every = self.cfg.train.eval_every
+        if every and self.progress.step % every == 0:
+            record |= self.evaluate_now()
         sink.write(record)
         self.totals.add(record)
         if self.resuming:  # the first step after a restart: recovery complete
@@ -214,6 +231,40 @@ class Trainer:
             record["sample_ids"] = plan.indices if samples else []
         return record
 
+    def _set_lr(self) -> float | None:
+        """The schedule's learning rate for this update (None where this process steps no
+        optimizer: a parameter-server worker; its servers follow the schedule themselves)."""
+        if not self.strategy.optimizers():
+            return None
+        optim = self.cfg.optim
+        factor = 1.0
+        if optim.lr_schedule != "constant" or optim.warmup_steps:
+            total = self.plan.total_steps(self.progress)
+            factor = lr_factor(optim.lr_schedule, self.progress.step, total, optim.warmup_steps)
+            self.strategy.set_lr(factor)
+        return optim.lr * factor
+
+    def evaluate_now(self) -> dict[str, Any]:
+        """--eval-every: test accuracy and loss of the weights as they are now, over the
+        whole test split (the world adds up the parts: every rank a slice in a group, the
+        first replica or worker all of it in a fleet), for this step's record."""
+        test, eval_fn = self.task.test_data, self.task.eval_fn
+        if test is None or eval_fn is None:
+            return {}
+        step = self.progress.step
+        self.watchdog.enter(step, "evaluation", self.strategy.collective_of_model)
+        model = self.strategy.eval_model()  # every rank: a sharded model gathers here
+        part = self.world.eval_part(self)
+        counts = (0.0, 0.0, 0.0)
+        if part is not None:
+            counts = score(model, test, eval_fn, self.ctx.device, part,
+                           on_batch=lambda: self.watchdog.enter(step, "evaluation"),
+                           loss_fn=self.task.loss_fn)  # fmt: skip
+        correct, total, loss_sum = self.world.sum_counts(self, counts)
+        if total <= 0:
+            return {}
+        return {"test_accuracy": correct / total, "test_loss": loss_sum / total}
+
     # -- the finish -------------------------------------------------------------------------
     def evaluate(self) -> None:
         """Score this process's part of the test split (strategy.eval_part(): every rank a
@@ -223,7 +274,7 @@ class Trainer:
         if test is None or eval_fn is None or not self.strategy.holds_final_model:
             return
         step = self.progress.step
-        self.totals.test_correct, self.totals.test_total = score(
+        self.totals.test_correct, self.totals.test_total, _ = score(
             self.strategy.model,
             test,
             eval_fn,

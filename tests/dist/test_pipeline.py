@@ -16,7 +16,7 @@ from tests.conftest import assert_no_orphans, run_cli
 from tests.dist.test_equivalence import GLOBAL_BATCH, train
 
 # digits through the width-8 CNN: 10 top-level layers; 115 samples = 9 steps of 12 per
-# epoch with --drop-last (pipelines need equal microbatches), 18 steps in 2 epochs.
+# epoch with --drop-last, 18 steps in 2 epochs (10 an epoch without).
 SAMPLES = 115
 
 
@@ -140,7 +140,19 @@ def test_bad_pipeline_input_fails_before_training(tmp_path):
     assert not (out / "metrics.jsonl").exists()
 
 
-def test_pipeline_without_drop_last_is_refused(tmp_path):
-    result = run_cli("run", "--strategy", "pipeline", "--out", str(tmp_path / "r"), timeout=60)
-    assert result.returncode == 2
-    assert "pipeline needs --drop-last" in result.stderr
+def test_pipeline_without_drop_last_pads_the_uneven_last_step(tmp_path, single):
+    """Without --drop-last an epoch of 115 ends on a step of 7: 2 pipelines x 2 stages hold
+    4 + 3 of them in microbatches of 3, padded with zero-weight stand-ins, and end with one
+    process's weights (also over the uneven step); every sample trains once."""
+    ref = train(tmp_path / "one", 1, SAMPLES)
+    run = train(tmp_path / "pp", 4, SAMPLES, strategy="pipeline", stages=2, microbatches=2,
+                batch_size=GLOBAL_BATCH // 2, log_sample_ids=True)  # fmt: skip
+    weights, got = run
+    assert got["summary"]["steps"] == ref[1]["summary"]["steps"] == 20
+    diff = max((weights[k] - ref[0][k]).abs().max().item() for k in ref[0])
+    assert diff <= 1e-5, diff
+    for epoch in (0, 1):
+        ids = [i for r in got["records"] if r["epoch"] == epoch for i in r["sample_ids"]]
+        assert sorted(ids) == list(range(SAMPLES)), epoch
+    last = [r for r in got["records"] if r["step"] == 10 and r["samples"]]
+    assert sorted(r["samples"] for r in last) == [3, 4]

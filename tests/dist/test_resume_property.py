@@ -1,6 +1,8 @@
 """Bitwise resume as a property: for configurations drawn from a seeded generator (world size
-1-4, per-worker batches of odd and even sizes so epochs end on a smaller step, strategy among
-ddp / fsdp / local_sgd, checkpoint interval, the rank killed and the step it dies before), a
+1-4, per-worker batches of odd and even sizes so epochs end on a smaller step, gradient
+accumulation over 1-3 micro-batches, a constant or cosine learning rate with warmup, strategy
+among ddp / fsdp / local_sgd, checkpoint interval, the rank killed and the step it dies
+before), a
 run whose worker is SIGKILLed and restarted by the elastic agent ends with the same
 params_sha256 as the uninterrupted run (--deterministic, CPU).
 
@@ -41,17 +43,21 @@ class Case:
     checkpoint_every: int
     kill_rank: int
     kill_step: int
+    grad_accum: int = 1
+    lr_schedule: str = "constant"
 
     @property
     def id(self) -> str:
-        return (f"{self.strategy}-w{self.world_size}-b{self.batch_size}-n{self.num_samples}-"
-                f"ck{self.checkpoint_every}-kill{self.kill_rank}at{self.kill_step}")  # fmt: skip
+        return (f"{self.strategy}-w{self.world_size}-b{self.batch_size}x{self.grad_accum}-"
+                f"n{self.num_samples}-ck{self.checkpoint_every}-{self.lr_schedule}-"
+                f"kill{self.kill_rank}at{self.kill_step}")  # fmt: skip
 
     def args(self) -> list[str]:
         return ["--strategy", self.strategy, "--nproc-per-node", str(self.world_size),
                 "--batch-size", str(self.batch_size), "--num-samples", str(self.num_samples),
                 "--epochs", "2", "--sync-every", "3", "--deterministic", "--seed", "7",
-                "--num-threads", "1"]  # fmt: skip
+                "--num-threads", "1", "--grad-accum", str(self.grad_accum),
+                "--lr-schedule", self.lr_schedule, "--warmup-steps", "2"]  # fmt: skip
 
 
 def draw(seed: int, index: int) -> Case:
@@ -60,14 +66,17 @@ def draw(seed: int, index: int) -> Case:
     rng = random.Random(seed * 1_000_003 + index)
     world = rng.randint(1, 4)
     batch = rng.choice([1, 3, 4, 5, 7, 8])
+    accum = rng.choice([1, 1, 2, 3])  # micro-batches of `batch` per step
+    schedule = rng.choice(["constant", "cosine"])
+    per_step = world * batch * accum
     # Keep each run short (<= ~24 steps an epoch) whatever the draw.
-    num_samples = rng.randint(max(20, world * batch + 1), max(21, min(90, 24 * world * batch)))
-    steps = 2 * math.ceil(num_samples / (world * batch))
+    num_samples = rng.randint(max(20, per_step + 1), max(21, min(90, 24 * per_step)))
+    steps = 2 * math.ceil(num_samples / per_step)
     strategy = STRATEGIES[index] if index < len(STRATEGIES) else rng.choice(STRATEGIES)
     return Case(
         strategy=strategy, world_size=world, batch_size=batch, num_samples=num_samples,
         checkpoint_every=rng.randint(1, 4), kill_rank=rng.randrange(world),
-        kill_step=rng.randint(2, steps),
+        kill_step=rng.randint(2, steps), grad_accum=accum, lr_schedule=schedule,
     )  # fmt: skip
 
 

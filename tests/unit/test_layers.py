@@ -25,7 +25,18 @@ LAYERS: list[set[str]] = [
     {"launch", "worker"},
     {"trainer", "lifecycle"},
     {"strategies"},
-    {"data", "compression", "fault", "metrics", "models", "task", "runtime", "net", "netns"},
+    {
+        "data",
+        "compression",
+        "fault",
+        "metrics",
+        "models",
+        "task",
+        "runtime",
+        "net",
+        "netns",
+        "schedule",
+    },
     {"config", "io", "registry", "env", "__version__"},
 ]
 LAYER = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}

@@ -101,7 +101,7 @@ def build_sampler(dataset: Any, cfg: Any, *, world_size: int, rank: int) -> Glob
         len(dataset),
         world_size=world_size,
         rank=rank,
-        batch_size=cfg.train.batch_size,
+        batch_size=cfg.samples_per_step,
         seed=cfg.train.seed,
         drop_last=cfg.train.drop_last,
         shard_sizes=getattr(dataset, "shard_sizes", None),
@@ -154,6 +154,7 @@ class SamplerPlan(SampledPlan):
         self._epoch: int | None = None  # the epoch self._batches iterates
         self._batches: Iterator[Any] = iter(())
         self._bounds: list[tuple[int, int]] = []
+        self._dealt = 0  # steps dealt and not committed yet (0 or 1): still to be trained
 
     def _start_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -173,6 +174,7 @@ class SamplerPlan(SampledPlan):
                 return None
             self._start_epoch(epoch)
         start, end = self._bounds.pop(0)
+        self._dealt = 1
         return StepPlan(
             step=progress.step + 1,
             epoch=self.sampler.epoch,
@@ -185,8 +187,14 @@ class SamplerPlan(SampledPlan):
         inputs, targets = next(self._batches)
         return to_device(inputs, self.device), to_device(targets, self.device)
 
+    def commit(self, plan: StepPlan) -> None:
+        super().commit(plan)
+        self._dealt = 0
+
     def remaining(self) -> int:
-        return len(self.sampler.bounds()) if self._epoch is None else len(self._bounds)
+        if self._epoch is None:
+            return len(self.sampler.bounds())
+        return len(self._bounds) + self._dealt
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import time
 from pathlib import Path
+from typing import Any
 
 from scaletrain.config import RunConfig, dumps_toml, from_dict, parse_nnodes
 from scaletrain.registry import lookup
@@ -70,16 +71,40 @@ def check_strategy(cfg: RunConfig) -> None:
     worlds = sorted({cfg.launch.nproc_per_node * n for n in range(lo, hi + 1)})
     model = None
     checks_model = strategy.checks_model(cfg)
-    if checks_model or cfg.train.max_memory_per_rank:
+    if checks_model or cfg.train.max_memory_per_rank or cfg.train.activation_checkpointing:
         from scaletrain.task import build_task
 
-        model = build_task(cfg).model
+        task = build_task(cfg)
+        model = task.model
+        if cfg.train.activation_checkpointing:
+            check_checkpoint_modules(cfg, model, task.checkpoint_modules)
     for world in worlds:
         strategy.check_config(cfg, world, model if checks_model else None)
+    from scaletrain.launch.modes import mode_of
+    from scaletrain.strategies import stepping_class
+
+    stepping_class(cfg, mode_of(cfg)).check_step_options(cfg)
     if cfg.train.max_memory_per_rank and model is not None:
         from scaletrain.launch.memory import check_memory_budget
 
         check_memory_budget(cfg, model, worlds[-1])
+
+
+def check_checkpoint_modules(cfg: RunConfig, model: Any, named: tuple[type, ...]) -> None:
+    """--activation-checkpointing needs blocks to recompute: the Task's, or the model's."""
+    from scaletrain.models.checkpointing import checkpoint_types
+
+    types = checkpoint_types(model, named)
+    what = cfg.data.task or f"model {cfg.model.model!r}"
+    if not types:
+        raise ValueError(
+            f"activation_checkpointing: {what} names no blocks to recompute (its layers are "
+            "single operations); name the block types in your Task's checkpoint_modules, or "
+            "use --model transformer, whose blocks are checkpointed"
+        )
+    if not any(isinstance(m, types) for m in model.modules() if m is not model):
+        names = ", ".join(t.__name__ for t in types)
+        raise ValueError(f"activation_checkpointing: {what} has no module of type {names}")
 
 
 def check_shards(root: Path, *, verify: bool) -> None:

@@ -273,7 +273,7 @@ def write_summary(fleet: PSFleet) -> dict[str, Any]:
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("committed")]
     test = None
     if task.test_data is not None and task.eval_fn is not None:
-        test = [score(task.model, task.test_data, task.eval_fn, torch.device("cpu"))]
+        test = [score(task.model, task.test_data, task.eval_fn, torch.device("cpu"))[:2]]
     main = finals[0]
     numels = [f["param"].numel() for f in finals]
     sizes = [p.numel() for p in task.model.parameters()]

@@ -26,18 +26,24 @@ def score(
     device: torch.device,
     part: tuple[int, int] = (0, 1),
     on_batch: Callable[[], None] = lambda: None,
-) -> tuple[float, float]:
-    """(correct, total) over slice ``part`` = (index, parts) of ``test``. ``on_batch`` runs
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+) -> tuple[float, float, float]:
+    """(correct, total, loss summed over samples) over slice ``part`` = (index, parts) of
+    ``test`` (the loss 0 without ``loss_fn``, which returns a batch's mean). ``on_batch`` runs
     before each batch (the loop marks progress there: a long evaluation is not a hang)."""
     was_training = model.training
     model.eval()
     index, parts = part
     lo, hi = rank_slice(0, len(test), parts, index)
     loader = make_loader(Subset(test, range(lo, hi)), cuda=device.type == "cuda", batch_size=512)
-    correct = total = 0.0
+    correct = total = loss_sum = 0.0
     for inputs, targets in loader:
         on_batch()
-        c, t = eval_fn(model(to_device(inputs, device)), to_device(targets, device))
+        targets = to_device(targets, device)
+        output = model(to_device(inputs, device))
+        c, t = eval_fn(output, targets)
         correct, total = correct + float(c), total + float(t)
+        if loss_fn is not None:
+            loss_sum += float(loss_fn(output, targets)) * float(t)
     model.train(was_training)
-    return correct, total
+    return correct, total, loss_sum

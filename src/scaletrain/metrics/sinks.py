@@ -26,6 +26,11 @@ SCALARS = {
     "comm_bytes": "comm/bytes_sent",
     "participants": "fault/participants",
     "stage_idle_s": "pipeline/stage_idle_s",
+    "lr": "optim/lr",
+    "grad_norm": "optim/grad_norm",
+    "loss_scale": "optim/loss_scale",
+    "test_accuracy": "eval/accuracy",
+    "test_loss": "eval/loss",
 }
 
 

@@ -105,7 +105,10 @@ def run_info(cfg: Any, *, data_world_size: int, steps_per_epoch: int | None) -> 
     return {
         "strategy": cfg.train.strategy,
         "batch_size_per_worker": cfg.train.batch_size,
-        "global_batch_size": cfg.train.batch_size * data_world_size,
+        "grad_accum": cfg.train.grad_accum,
+        # Samples per optimizer step over all data-parallel ranks.
+        "global_batch_size": cfg.samples_per_step * data_world_size,
+        "precision": cfg.train.precision,
         "epochs": cfg.train.epochs,
         "steps_per_epoch": steps_per_epoch,
         "config_hash": cfg.hash(),

@@ -90,6 +90,10 @@ class Transformer(nn.Sequential):
         super().__init__(OrderedDict(layers))
         self.dim, self.heads = dim, HEADS
 
+    def activation_checkpoint_modules(self) -> tuple[type, ...]:
+        """What --activation-checkpointing recomputes: each block (models/checkpointing.py)."""
+        return (Block,)
+
     def tensor_parallel_plan(self) -> dict[str, Any]:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

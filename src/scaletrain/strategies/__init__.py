@@ -35,15 +35,18 @@ def strategy_class(name: str) -> type[Strategy]:
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 
-def build_strategy(cfg: RunConfig, ctx: DistContext) -> Strategy:
-    """The strategy this process steps with: the one the user named, or the one its mode
-    runs in its place (torchft's for in-place recovery)."""
-    target = _MODE_CLASSES.get(ctx.mode)
+def stepping_class(cfg: RunConfig, mode: str) -> type[Strategy]:
+    """The strategy a worker of ``mode`` steps with: the one the user named, or the one the
+    mode runs in its place (torchft's for in-place recovery)."""
+    target = _MODE_CLASSES.get(mode)
     if target is None:
-        return strategy_class(cfg.train.strategy)(ctx, cfg)
+        return strategy_class(cfg.train.strategy)
     module, _, name = target.partition(":")
-    cls: type[Strategy] = getattr(importlib.import_module(module), name)
-    return cls(ctx, cfg)
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+def build_strategy(cfg: RunConfig, ctx: DistContext) -> Strategy:
+    return stepping_class(cfg, ctx.mode)(ctx, cfg)
 
 
 def all_strategies() -> dict[str, type[Strategy]]:
@@ -58,5 +61,6 @@ __all__ = [
     "Strategy",
     "StrategyChecks",
     "build_strategy",
+    "stepping_class",
     "strategy_class",
 ]

@@ -19,6 +19,7 @@ from torch import nn
 from scaletrain.config import RunConfig
 from scaletrain.data.plans import BatchPlan, SamplerPlan
 from scaletrain.runtime import DistContext
+from scaletrain.strategies.essentials import StepEssentials
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -113,7 +114,7 @@ class StrategyChecks:
         return model_bytes(model) * (2 + optimizer_copies)
 
 
-class Strategy(StrategyChecks, ABC):
+class Strategy(StepEssentials, StrategyChecks, ABC):
     # The collective a train step waits in, as hang reports name it (fault/watchdog.py); the
     # one the plan waits in before a step, and the one reading ``model`` takes part in.
     collective: ClassVar[str] = "gradient all-reduce"
@@ -154,6 +155,11 @@ class Strategy(StrategyChecks, ABC):
         """The loop's whole training state (strategy, plan, progress), for a strategy that
         copies it between processes (a healing torchft replica). Default: not needed."""
         return None
+
+    def eval_model(self) -> nn.Module:
+        """The weights as they are now, as a plain module, during training (--eval-every).
+        Every rank calls it at once: a strategy with sharded state gathers it here."""
+        return self.model
 
     def eval_part(self) -> tuple[int, int]:
         """(part, parts): which balanced slice of the test split this process scores."""

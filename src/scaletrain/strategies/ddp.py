@@ -17,6 +17,7 @@ collectives timed from launch to completion and their bytes counted (metrics/tim
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from scaletrain.strategies.base import (
 
 class DDPStrategy(Strategy):
     supports_compression = True
+    supports_fp16 = True  # every replica holds the same gradients after the all-reduce
     holds_replica = True
 
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
@@ -76,15 +78,19 @@ class DDPStrategy(Strategy):
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
 
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        return self.ddp.no_sync()
+
     def train_step(self, batch: Batch) -> StepResult:
         start = self.timer.now()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.ddp(batch.inputs), batch.targets)
         scale = batch.num_samples * self.ctx.world_size / batch.global_samples
-        (loss if scale == 1.0 else loss * scale).backward()
+        loss = self.forward_backward(
+            self.ddp, self.loss_fn, batch.inputs, batch.targets, batch.num_samples, scale
+        )
         self._sync_device()
         backward_end = self.timer.now()
-        self.optimizer.step()
+        extras = self.step_optimizer(self.optimizer, self.ddp.parameters())
         self._sync_device()
         end = self.timer.now()
         comm = self.timer.collect()
@@ -96,11 +102,11 @@ class DDPStrategy(Strategy):
             else 0.0
         )
         return StepResult(
-            loss=loss.detach(),
+            loss=loss,
             compute_s=(end - start) - blocked,
             comm_s=comm.busy_s,
             wait_s=blocked,
             comm_bytes=comm.bytes,
             dense_bytes=comm.dense_bytes,
-            extras={"collectives": comm.num_collectives},
+            extras={"collectives": comm.num_collectives, **extras},
         )

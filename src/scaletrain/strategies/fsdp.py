@@ -27,8 +27,10 @@ volume: two all-gathers (forward, backward) and one reduce-scatter of the parame
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from scaletrain.config import RunConfig
@@ -103,12 +105,21 @@ class FSDPStrategy(Strategy):
         # unit below it holds yet, so a parent first would swallow its children's.
         for module in reversed(list(model.modules())):
             if module is not model and any(True for _ in module.parameters(recurse=False)):
-                fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+                fully_shard(module, mesh=mesh, mp_policy=self.mp_policy())
+        fully_shard(model, mesh=mesh, mp_policy=self.mp_policy())
         self.module = model
         self.optimizer = build_optimizer(model.parameters())
         self.loss_fn = loss_fn
         self.replica: nn.Module | None = None
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        """Under --precision bf16-mixed, FSDP2 all-gathers and computes with bf16 parameters
+        and reduce-scatters gradients in fp32 (the sharded fp32 weights stay the optimizer's);
+        autocast (essentials.py) covers the ops between. fp16 is refused (no agreed loss
+        scale over shards)."""
+        if self.cfg.train.precision == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
 
     @classmethod
     def checks_model(cls, cfg: RunConfig) -> bool:
@@ -184,27 +195,46 @@ class FSDPStrategy(Strategy):
         set_model_state_dict(self.module, state["model"], options=options)
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """FSDP2's counterpart of DDP's no_sync: keep the unsharded gradients, no
+        reduce-scatter, until the last micro-batch."""
+        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
     def train_step(self, batch: Batch) -> StepResult:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
         scale = batch.num_samples * self.dp / batch.global_samples
-        (loss if scale == 1.0 else loss * scale).backward()
-        self.optimizer.step()
+        loss = self.forward_backward(
+            self.module, self.loss_fn, batch.inputs, batch.targets, batch.num_samples, scale
+        )
+        extras = self.step_optimizer(self.optimizer, self.module.parameters())
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         dp = self.dp
         return StepResult(
-            loss=loss.detach(),
+            loss=loss,
             compute_s=time.perf_counter() - start,
             comm_s=0.0,
             wait_s=0.0,
             # Over "dp" only; under --tp the tensor-parallel all-reduces come on top.
             comm_bytes=3 * (dp - 1) * self.param_bytes_full // (dp * self.tp),
+            extras=extras,
         )
 
-    def finish(self) -> None:
+    def gather_replica(self) -> nn.Module:
+        """A plain replica with the full weights (a collective: every rank calls it)."""
         full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         replica = self.skeleton.to_empty(device=self.ctx.device)
         replica.load_state_dict(full)
-        self.replica = replica
+        return replica
+
+    def eval_model(self) -> nn.Module:
+        return self.gather_replica()
+
+    def finish(self) -> None:
+        self.replica = self.gather_replica()

@@ -129,6 +129,7 @@ def wait_for_peers(run_dir: Path, rank: int, world: int, timeout_s: float) -> No
 
 
 class InplaceStrategy(Strategy):
+    supports_fp16 = True  # every participant holds the same gradients after the all-reduce
     collective = "torchft gradient all-reduce"
     plan_collective = "torchft quorum"
     holds_replica = True
@@ -196,8 +197,10 @@ class InplaceStrategy(Strategy):
         n = self.manager.num_participants()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
-        (loss * (batch.num_samples * n / batch.global_samples)).backward()
+        weight = batch.num_samples * n / batch.global_samples
+        loss = self.forward_backward(
+            self.module, self.loss_fn, batch.inputs, batch.targets, batch.num_samples, weight
+        )
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         compute_s = time.perf_counter() - t0
@@ -205,23 +208,24 @@ class InplaceStrategy(Strategy):
         self.manager.allreduce(flat).wait()  # the mean over participants
         committed = self.manager.should_commit()
         comm_s = time.perf_counter() - t1
+        extras: dict[str, Any] = {"participants": n}
         if committed:  # else a peer failed mid-step: nothing is applied
             offset = 0
             for p, g in zip(self.params, grads, strict=True):
                 p.grad = flat[offset : offset + g.numel()].view_as(g)
                 offset += g.numel()
             t2 = time.perf_counter()
-            self.optimizer.step()
+            extras |= self.step_optimizer(self.optimizer, self.params)
             compute_s += time.perf_counter() - t2
         return StepResult(
-            loss=loss.detach(),
+            loss=loss,
             compute_s=compute_s,
             comm_s=comm_s,
             wait_s=comm_s,  # a blocking all-reduce: all of it waited for
             comm_bytes=2 * (n - 1) * flat.numel() * flat.element_size() // n,
             committed=committed,
             overlap=0.0,
-            extras={"participants": n},
+            extras=extras,
         )
 
     def memory_bytes(self) -> dict[str, int]:

@@ -88,22 +88,26 @@ class LocalSGDStrategy(Strategy):
     def train_step(self, batch: Batch) -> StepResult:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
-        loss.backward()
+        loss = self.forward_backward(
+            self.module, self.loss_fn, batch.inputs, batch.targets, batch.num_samples
+        )
+        # A replica with no sample of its own (a stand-in) does not step. Each replica steps
+        # on its own gradient: --clip-grad-norm clips that one.
+        extras: dict[str, Any] = {}
         if batch.num_samples:
-            self.optimizer.step()
+            extras = self.step_optimizer(self.optimizer, self.module.parameters())
         self.local_steps += 1
         self.samples_since_sync += batch.num_samples
         comm_s, nbytes = 0.0, 0
         if self.local_steps % self.sync_every == 0:
             comm_s, nbytes = self._timed_sync()
         return StepResult(
-            loss=loss.detach(),
+            loss=loss,
             compute_s=time.perf_counter() - start - comm_s,
             comm_s=comm_s,
             wait_s=comm_s,  # synchronization blocks; nothing overlaps it
             comm_bytes=nbytes,
-            extras={"synced": bool(nbytes)},
+            extras={"synced": bool(nbytes), **extras},
         )
 
     def finish(self) -> None:

@@ -26,7 +26,9 @@ fraction, 1 - busy / wall summed over stages and steps (leaving out each attempt
 which also infers the shapes between stages), beside the theoretical (P-1)/(M+P-1).
 
 Constraints, checked before any worker starts: the batch divides into M equal microbatches
-and ``--drop-last`` is set (stages exchange fixed shapes); 1F1B needs M >= P; P <= layers.
+(stages exchange fixed shapes: a smaller step, an epoch's last, is padded to the full batch
+with zero-weight stand-ins, so every sample still trains once and weighs what it would in one
+process); 1F1B needs M >= P; P <= layers.
 """
 
 from __future__ import annotations
@@ -172,6 +174,10 @@ class TimedStage(PipelineStage):
 
 
 class PipelineStrategy(Strategy):
+    grad_accum_refusal = (
+        "the schedule already accumulates gradients over its --microbatches before one update; "
+        "raise --microbatches (and --batch-size) instead of --grad-accum"
+    )
     collective = "pipeline activation send/recv"
     collective_state_dict = True
 
@@ -187,11 +193,6 @@ class PipelineStrategy(Strategy):
             raise ValueError(
                 f"microbatches: {m} does not divide the batch size {cfg.train.batch_size}: "
                 "every microbatch must have the same size"
-            )
-        if not cfg.train.drop_last:
-            raise ValueError(
-                "drop_last: pipeline needs --drop-last: every step must cut into microbatches "
-                "of one shape, so the epoch's last incomplete batch is dropped"
             )
         pipeline_shape(cfg, world_size)
         if model is not None:
@@ -235,9 +236,12 @@ class PipelineStrategy(Strategy):
         self.boundary_bytes = 0
         self.module.register_forward_hook(self._count_boundary_bytes)
 
+        self.real_per_microbatch: list[int] = []
+        self.targets_ptr = 0
+
         def timed_loss(output: Any, target: Any) -> torch.Tensor:
             start = time.perf_counter()
-            loss = loss_fn(output, target)
+            loss = self._weighted_loss(loss_fn, output, target)
             self.loss_s += time.perf_counter() - start
             return loss
 
@@ -280,16 +284,66 @@ class PipelineStrategy(Strategy):
             }
         }
 
+    def _weighted_loss(self, loss_fn: LossFn, output: Any, target: Any) -> torch.Tensor:
+        """The loss of one microbatch: (M / n) x the sum of its real samples' losses (n: the
+        rank's real samples), so that the schedule's mean over the M microbatches is the mean
+        over the real samples; stand-ins weigh nothing. Which microbatch ``target`` is comes
+        from where it lies in the step's targets (the schedule hands out views of them; it
+        also calls the loss once more, to infer shapes, on the first microbatch)."""
+        real_counts, parts = self.real_per_microbatch, len(self.real_per_microbatch)
+        n = sum(real_counts)
+        if n == self.cfg.train.batch_size:  # a full step: plain, as it always was
+            return loss_fn(output, target)
+        row = target[0].numel() * target.element_size() if target.dim() else 0
+        m = (target.data_ptr() - self.targets_ptr) // (row * len(target)) if row else -1
+        if not 0 <= m < parts:
+            raise RuntimeError(
+                "internal failure: pipeline: a loss target that is not a view of the step's "
+                "targets (cannot tell its microbatch, so its stand-in samples' weight)"
+            )
+        real = real_counts[m]
+        if real == 0:
+            return loss_fn(output, target) * 0.0
+        mean = loss_fn(output[:real], target[:real])
+        return mean * (real * parts / n)
+
+    def _pad(self, batch: Batch) -> tuple[Any, Any]:
+        """The rank's share, padded to the full batch with stand-ins (copies of its first
+        sample): the stages exchange microbatches of one shape, also in an epoch's smaller
+        last step. Records how many real samples each microbatch holds."""
+        full, parts = self.cfg.train.batch_size, self.cfg.parallel.microbatches
+        size = full // parts
+        n = batch.num_samples
+        self.real_per_microbatch = [min(size, max(0, n - m * size)) for m in range(parts)]
+
+        def pad(t: Any) -> Any:
+            if not torch.is_tensor(t) or len(t) >= full:
+                return t
+            return torch.cat([t, t[:1].expand(full - len(t), *t.shape[1:])])
+
+        inputs, targets = pad(batch.inputs), pad(batch.targets)
+        if n < full and not torch.is_tensor(targets):
+            raise ValueError(
+                "pipeline: a step smaller than the batch is padded with stand-in samples, which "
+                "needs tensor targets; pass --drop-last to drop the epoch's last, smaller step"
+            )
+        if torch.is_tensor(targets):
+            targets = targets.contiguous()
+            self.targets_ptr = targets.data_ptr()
+        return inputs, targets
+
     def train_step(self, batch: Batch) -> StepResult:
         start = time.perf_counter()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         self.stage.busy_s = self.loss_s = 0.0
         self.boundary_bytes = 0
-        args = (batch.inputs,) if self.is_first else ()
+        inputs, targets = self._pad(batch)
+        args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
-        target = batch.targets if self.is_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
+        target = targets if self.is_last else None
+        with self.autocast():  # every stage's forward runs inside the schedule's step
+            self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
         pipeline_s = time.perf_counter() - start
         busy_s = self.stage.busy_s + self.loss_s
         comm_s, sent = 0.0, self.boundary_bytes
@@ -298,6 +352,9 @@ class PipelineStrategy(Strategy):
             comm_start = time.perf_counter()
             self._average_gradients(batch)
             comm_s = time.perf_counter() - comm_start
+        extras: dict[str, Any] = {}
+        if self.cfg.optim.clip_grad_norm > 0:  # a collective over the stages: every rank
+            extras["grad_norm"] = self.clip_gradients(self.params, self.cfg.optim.clip_grad_norm)
         if self.optimizer is not None:
             self.optimizer.step()
         if self.ctx.device.type == "cuda":
@@ -311,8 +368,29 @@ class PipelineStrategy(Strategy):
             comm_s=comm_s,
             wait_s=idle_s + comm_s,
             comm_bytes=sent,
-            extras={"stage": self.stage_index, "stage_busy_s": busy_s, "stage_idle_s": idle_s},
+            extras={
+                "stage": self.stage_index,
+                "stage_busy_s": busy_s,
+                "stage_idle_s": idle_s,
+                **extras,
+            },  # fmt: skip
         )
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """The norm over the whole model is over every stage's gradients: each stage's sum
+        of squares, summed over the pipeline (its data-parallel peers hold the same averaged
+        gradients), then every stage scales its own by the same coefficient."""
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for g in grads:
+            local += g.detach().double().pow(2).sum()
+        dist.all_reduce(local, group=self.pp_group)
+        norm = float(local.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
 
     def _average_gradients(self, batch: Batch) -> None:
         """Sample-weighted mean of this stage's gradients over its data-parallel peers."""
@@ -383,7 +461,13 @@ class PipelineStrategy(Strategy):
         if self.optimizer is not None:
             set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=FLAT)
 
+    def eval_model(self) -> nn.Module:
+        return self.gather_replica()
+
     def finish(self) -> None:
+        self.replica = self.gather_replica()
+
+    def gather_replica(self) -> nn.Module:
         """Every rank gets the whole model: the first pipeline's stages share their weights."""
         mine = (
             {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
@@ -397,4 +481,4 @@ class PipelineStrategy(Strategy):
             full.update(part or {})
         replica = self.skeleton.to_empty(device=self.ctx.device)
         replica.load_state_dict(full)
-        self.replica = replica
+        return replica

@@ -98,23 +98,25 @@ class TensorStrategy(FSDPStrategy):
         start = time.perf_counter()
         self.activation_bytes = 0
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
-        loss.backward()
+        loss = self.forward_backward(
+            self.module, self.loss_fn, batch.inputs, batch.targets, batch.num_samples
+        )
         comm_s, sent = 0.0, 2 * sent_bytes("all_reduce", self.activation_bytes, self.tp)
         if self.dp > 1:
             comm_start = time.perf_counter()
             sent += self._average_gradients(batch)
             comm_s = time.perf_counter() - comm_start
-        self.optimizer.step()
+        extras = self.step_optimizer(self.optimizer, self.module.parameters())
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         step_s = time.perf_counter() - start
         return StepResult(
-            loss=loss.detach(),
+            loss=loss,
             compute_s=step_s - comm_s,
             comm_s=comm_s,
             wait_s=comm_s,
             comm_bytes=sent,
+            extras=extras,
         )
 
     def _average_gradients(self, batch: Batch) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from scaletrain.data.partition import split_counts
 
@@ -64,3 +65,17 @@ def staleness_histogram(values: Iterable[int]) -> dict[str, int]:
     """{staleness: count}, keys as strings (JSON), in increasing order."""
     counts = Counter(values)
     return {str(k): counts[k] for k in sorted(counts)}
+
+
+def total_updates(cfg: Any, num_train: int, num_workers: int) -> int:
+    """How many updates the servers apply over the run: global steps under bsp (one per step
+    of every worker), single pushes under asp and ssp; capped by --max-steps (global steps)."""
+    n, b, w = num_train, cfg.samples_per_step, num_workers
+    if cfg.ps.consistency == "bsp":
+        per_epoch = n // (b * w) if cfg.train.drop_last else -(-n // (b * w))
+        cap = cfg.train.max_steps
+    else:
+        per_epoch = n // b if cfg.train.drop_last else -(-n // b)
+        cap = cfg.train.max_steps * w
+    total = per_epoch * cfg.train.epochs
+    return min(total, cap) if cap else total

@@ -41,6 +41,7 @@ from torch import nn
 from scaletrain.config import RunConfig
 from scaletrain.fault.inject import parse_inject
 from scaletrain.io import append_jsonl, atomic_torch_save
+from scaletrain.schedule import lr_factor
 from scaletrain.strategies.param_server import consistency as rules
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.admission import Admission
@@ -80,6 +81,8 @@ class ShardServer:
         token: str,
     ) -> None:
         self.cfg, self.index, self.num_workers = cfg, index, num_workers
+        # The schedule's horizon, in this server's updates (--lr-schedule).
+        self.total_updates = rules.total_updates(cfg, num_train, num_workers)
         self.rank = num_workers + index
         self.faults = parse_inject(cfg.fault.inject)
         self.attempt, self.store, self.run_dir = attempt, store, run_dir
@@ -110,7 +113,7 @@ class ShardServer:
         if index == 0:
             self.coordinator = DataCoordinator(
                 num_train,
-                batch_size=cfg.train.batch_size,
+                batch_size=cfg.samples_per_step,
                 epochs=cfg.train.epochs,
                 seed=cfg.train.seed,
                 drop_last=cfg.train.drop_last,
@@ -406,6 +409,12 @@ class ShardServer:
     def _apply(self, grad: torch.Tensor) -> None:
         for fault in self.faults:  # kill:rank=R:step=S kills server rank R at its S-th update
             fault.before_step(self.version + 1, self.rank, self.attempt)
+        if self.cfg.optim.lr_schedule != "constant" or self.cfg.optim.warmup_steps:
+            factor = lr_factor(self.cfg.optim.lr_schedule, self.version, self.total_updates,
+                               self.cfg.optim.warmup_steps)  # fmt: skip
+            for group in self.optimizer.param_groups:
+                group.setdefault("initial_lr", group["lr"])
+                group["lr"] = group["initial_lr"] * factor
         self.param.grad = grad
         self.optimizer.step()
         self.param.grad = None
@@ -475,7 +484,7 @@ class ShardServer:
         out = [tp.reply_header(status=tp.Status.DROPPED, version=self.version),
                self.param.detach().clone()]  # fmt: skip
         if self.coordinator is not None:
-            out.append(torch.full((self.cfg.train.batch_size,), -1, dtype=torch.int64))
+            out.append(torch.full((self.cfg.samples_per_step,), -1, dtype=torch.int64))
         return out
 
     def _reply(self, worker: int, started: float, *, staleness: int,
@@ -495,7 +504,7 @@ class ShardServer:
         )
         out = [head, self.param.detach().clone()]
         if self.coordinator is not None:
-            indices = torch.full((self.cfg.train.batch_size,), -1, dtype=torch.int64)
+            indices = torch.full((self.cfg.samples_per_step,), -1, dtype=torch.int64)
             if lease:
                 indices[: len(lease.indices)] = torch.tensor(lease.indices)
             out.append(indices)

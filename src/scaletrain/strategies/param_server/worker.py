@@ -42,7 +42,7 @@ from scaletrain.strategies.base import (
 )
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.admission import JoinRefused, join_record
-from scaletrain.strategies.param_server.consistency import shard_ranges
+from scaletrain.strategies.param_server.consistency import shard_ranges, total_updates
 
 log = logging.getLogger("scaletrain.ps.worker")
 
@@ -129,6 +129,11 @@ class PSWorkerStrategy(Strategy):
     def model(self) -> nn.Module:
         return self.module
 
+    def eval_model(self) -> nn.Module:
+        """The parameters of this worker's last pull."""
+        torch.nn.utils.vector_to_parameters(self.flat.to(self.ctx.device), self.params)
+        return self.module
+
     def state_dict(self) -> dict[str, Any]:
         return {}  # the servers hold the state; a restarted worker pulls it again
 
@@ -190,7 +195,7 @@ class PSWorkerStrategy(Strategy):
         lo, hi = self.ranges[k]
         out = [torch.zeros(tp.HEADER, dtype=torch.int64), self.flat[lo:hi]]
         if k == 0:
-            out.append(torch.zeros(self.cfg.train.batch_size, dtype=torch.int64))
+            out.append(torch.zeros(self.cfg.samples_per_step, dtype=torch.int64))
         return out
 
     def _receive(self, k: int) -> torch.Tensor:
@@ -217,23 +222,30 @@ class PSWorkerStrategy(Strategy):
             self._join()
             self.joined = True
 
-    def _gradient(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The flat gradient of the mean loss over the batch (zeros and no loss when empty)."""
+    def _gradient(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+        """The flat gradient of the mean loss over the batch (zeros and no loss when empty),
+        clipped per push under --clip-grad-norm (each push is its own update on the
+        servers, so its own gradient's norm is the one that bounds the update)."""
         if not batch.num_samples:
-            return torch.zeros(self.numel, dtype=self.dtype), None
+            return torch.zeros(self.numel, dtype=self.dtype), None, {}
         torch.nn.utils.vector_to_parameters(self.flat.to(self.ctx.device), self.params)
         self.module.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.module(batch.inputs), batch.targets)
-        loss.backward()
+        loss = self.forward_backward(
+            self.module, self.loss_fn, batch.inputs, batch.targets, batch.num_samples
+        )
+        extras: dict[str, Any] = {}
+        if self.cfg.optim.clip_grad_norm > 0:
+            held = [p for p in self.params if p.grad is not None]
+            extras["grad_norm"] = self.clip_gradients(held, self.cfg.optim.clip_grad_norm)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        return torch.cat([g.reshape(-1) for g in grads]).cpu(), loss.detach()
+        return torch.cat([g.reshape(-1) for g in grads]).cpu(), loss, extras
 
     def train_step(self, batch: Batch) -> StepResult:
         assert self.lease is not None
         _, step, _ = self.lease
         self.pushes += 1
         t0, started_at = time.perf_counter(), time.time()
-        grad, loss = self._gradient(batch)
+        grad, loss, clipped = self._gradient(batch)
         compute_s = time.perf_counter() - t0
         t1, pushed_at = time.perf_counter(), time.time()
         heads, lost = self._exchange(step, batch.num_samples, grad)
@@ -267,6 +279,7 @@ class PSWorkerStrategy(Strategy):
                 "started_at": started_at,
                 "pushed_at": pushed_at,
                 "committed": committed,
+                **clipped,
             },
         )
 
@@ -339,13 +352,4 @@ class LeasePlan(BatchPlan):
         return None  # server 0 commits (or requeues) the lease
 
     def total_steps(self, progress: Any) -> int:
-        n, b = len(self.dataset), self.cfg.train.batch_size
-        w = self.strategy.num_workers
-        if self.cfg.ps.consistency == "bsp":
-            per_epoch = n // (b * w) if self.cfg.train.drop_last else -(-n // (b * w))
-            cap = self.cfg.train.max_steps
-        else:
-            per_epoch = n // b if self.cfg.train.drop_last else -(-n // b)
-            cap = self.cfg.train.max_steps * w
-        total = per_epoch * self.cfg.train.epochs
-        return min(total, cap) if cap else total
+        return total_updates(self.cfg, len(self.dataset), self.strategy.num_workers)

@@ -1,0 +1,94 @@
+"""The training essentials' pure parts: the learning-rate schedules, the micro-batch split of
+gradient accumulation (its weights add up to one step's sample-weighted mean), and the
+checks that refuse an option a strategy cannot honour before any process starts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from scaletrain.config import RunConfig, with_overrides
+from scaletrain.schedule import lr_factor
+from scaletrain.strategies.essentials import micro_batches, slice_batch
+
+
+def test_schedules_ramp_then_decay():
+    total, warm = 100, 10
+    assert [lr_factor("cosine", s, total, warm) for s in range(3)] == [0.1, 0.2, 0.3]
+    assert lr_factor("cosine", 9, total, warm) == 1.0
+    assert lr_factor("cosine", 10, total, warm) == 1.0  # the decay starts after warmup
+    assert math.isclose(lr_factor("cosine", 55, total, warm), 0.5)
+    assert lr_factor("cosine", 100, total, warm) == 0.0
+    assert math.isclose(lr_factor("linear", 55, total, warm), 0.5)
+    assert [lr_factor("step", s, 100) for s in (0, 49, 50, 74, 75, 99)] == [
+        1.0, 1.0, 0.1, 0.1, 0.01, 0.01,
+    ]  # fmt: skip
+    assert all(lr_factor("constant", s, 100) == 1.0 for s in range(100))
+    # Past the horizon (an elastic world grew its global batch) the decay stays at its end.
+    assert lr_factor("linear", 150, 100) == 0.0
+    with pytest.raises(ValueError, match="unknown schedule"):
+        lr_factor("exp", 0, 10)
+
+
+@pytest.mark.parametrize(("num_samples", "parts"), [(7, 3), (2, 4), (12, 4), (1, 1), (0, 3)])
+def test_micro_batches_cover_the_share_once_and_weigh_to_one(num_samples, parts):
+    n = max(num_samples, 1)  # a rank without samples holds one stand-in
+    inputs = {"x": torch.arange(n), "pair": (torch.arange(n) * 2, "label")}
+    targets = torch.arange(n) + 100
+    micros = list(micro_batches(inputs, targets, num_samples, parts))
+    assert len(micros) == min(max(num_samples, 1), parts)
+    seen = torch.cat([m[0]["x"] for m in micros])
+    assert seen.tolist() == list(range(n))
+    assert torch.equal(torch.cat([m[1] for m in micros]), targets)
+    assert all(m[0]["pair"][1] == "label" for m in micros)
+    weights = [m[2] for m in micros]
+    assert math.isclose(sum(weights), 1.0 if num_samples else 0.0)
+    # Each weight is the micro-batch's share of the rank's samples: mean losses weighted so
+    # add up to the mean over the whole share.
+    if num_samples:
+        assert weights == [len(m[1]) / num_samples for m in micros]
+
+
+def test_slice_batch_leaves_non_tensors():
+    assert slice_batch([torch.arange(5), 3, None], 1, 3)[1:] == [3, None]
+
+
+def cfg(**overrides):
+    return with_overrides(RunConfig(), overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"strategy": "fsdp", "precision": "fp16-mixed", "nproc_per_node": 2},
+         "fp16-mixed needs a loss scaler whose overflow check every rank agrees on; under "
+         "--strategy fsdp"),
+        ({"strategy": "local_sgd", "precision": "fp16-mixed", "nproc_per_node": 2},
+         "under --strategy local_sgd"),
+        ({"strategy": "pipeline", "grad_accum": 2, "nproc_per_node": 2, "drop_last": True,
+          "model": "mlp"},
+         "grad_accum: under --strategy pipeline the schedule already accumulates"),
+        ({"activation_checkpointing": True, "model": "cnn"},
+         "activation_checkpointing: model 'cnn' names no blocks to recompute"),
+        ({"precision": "fp8"}, "precision: must be one of 32, bf16-mixed, fp16-mixed"),
+        ({"grad_accum": 0}, "grad_accum: must be >= 1"),
+        ({"lr_schedule": "exp"}, "lr_schedule: must be one of constant, cosine, linear, step"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm: must be >= 0"),
+    ],
+)  # fmt: skip
+def test_options_a_strategy_cannot_honour_are_refused_naming_it(overrides, message):
+    from scaletrain.launch import describe_plan
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        describe_plan(cfg(**overrides))
+
+
+def test_options_every_strategy_honours_pass_the_checks():
+    from scaletrain.launch import describe_plan
+
+    describe_plan(cfg(strategy="ddp", precision="fp16-mixed", grad_accum=3, clip_grad_norm=1.0,
+                      lr_schedule="cosine", warmup_steps=5, eval_every=10))  # fmt: skip
+    describe_plan(cfg(strategy="fsdp", precision="bf16-mixed", nproc_per_node=2,
+                      model="transformer", activation_checkpointing=True))  # fmt: skip
