@@ -28,14 +28,15 @@ def embedded_images(page: str) -> list[Image.Image]:
 
 @pytest.fixture(scope="module")
 def report_page(tmp_path_factory):
-    """A report of real runs: 1 worker, and 2 workers with rank 1 killed and restarted."""
+    """A report of real runs: 1 worker, and 2 workers with rank 1 killed and restarted,
+    evaluated every 4 steps under a cosine schedule."""
     tmp_path = tmp_path_factory.mktemp("report")
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["--dataset", "digits", "--max-steps", "16", "--num-threads", "1"]
     assert run_cli("run", *common, "--nproc-per-node", "1", "--out", str(one)).returncode == 0
     result = run_cli("run", *common, "--nproc-per-node", "2", "--max-restarts", "1",
                      "--checkpoint-every", "4", "--inject", "kill:rank=1:step=10",
-                     "--out", str(two))  # fmt: skip
+                     "--eval-every", "4", "--lr-schedule", "cosine", "--out", str(two))  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = tmp_path / "page" / "report.html"
     result = run_cli("report", str(one), str(two), "--out", str(out), timeout=120)
@@ -46,12 +47,12 @@ def report_page(tmp_path_factory):
 
 def test_report_of_two_world_sizes_and_a_failure(report_page):
     page = report_page.read_text()
-    for title in ("Loss", "Samples per second per rank", "Step time breakdown", "Scaling",
-                  "Recoveries of two"):  # fmt: skip
+    for title in ("Loss", "Test accuracy and learning rate", "Samples per second per rank",
+                  "Step time breakdown", "Scaling", "Recoveries of two"):  # fmt: skip
         assert f"<h2>{title}</h2>" in page
     assert "Staleness" not in page  # no parameter-server run here
     images = embedded_images(page)
-    assert len(images) == 5 and all(i.width > 300 and i.height > 200 for i in images)
+    assert len(images) == 6 and all(i.width > 300 and i.height > 200 for i in images)
     assert "one" in page and "two" in page
 
 
@@ -77,7 +78,7 @@ def test_report_in_headless_chromium(report_page, tmp_path):
         images = driver.execute_script(
             "return Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])"
         )
-        assert len(images) == 5
+        assert len(images) == 6
         for alt, complete, width in images:
             assert complete and width > 300, alt
         assert driver.title == "scaletrain report"

@@ -7,6 +7,7 @@ anywhere without the run directories. Per page:
 - a table of the runs' headline figures;
 - loss against step and against wall time (the step's sample-weighted mean over the ranks
   that report a loss);
+- test accuracy during training (--eval-every) and the learning rate, against step;
 - samples/s per rank against step;
 - the mean step split into data, compute, communication in flight but hidden, blocked
   waiting, and checkpoint time, one bar per run;
@@ -72,6 +73,13 @@ class Run:
         )
 
 
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """A per-step figure every rank records alike (lr, test_accuracy), by step."""
+        by_step = {r["step"]: r[key] for r in self.records if r.get(key) is not None}
+        steps = sorted(by_step)
+        return steps, [by_step[s] for s in steps]
+
+
 def png(fig: Figure) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
@@ -93,6 +101,24 @@ def plot_loss(runs: list[Run]) -> str:
     by_time.set(xlabel="wall time (s)", ylabel="training loss", yscale=scale,
                 title="loss by wall time")  # fmt: skip
     by_step.legend(fontsize=8)
+    return png(fig)
+
+
+def plot_eval_and_lr(runs: list[Run]) -> str | None:
+    """Test accuracy during training (--eval-every) and the learning rate, by step."""
+    if not any(run.series("test_accuracy")[0] or run.series("lr")[0] for run in runs):
+        return None
+    fig, (acc, lr) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for run in runs:
+        steps, values = run.series("test_accuracy")
+        if steps:
+            acc.plot(steps, values, marker=".", label=run.label)
+        steps, values = run.series("lr")
+        if steps:
+            lr.plot(steps, values, label=run.label)
+    acc.set(xlabel="step", ylabel="test accuracy", title="evaluation during training")
+    lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
+    lr.legend(fontsize=8)
     return png(fig)
 
 
@@ -216,6 +242,7 @@ def build_report(run_dirs: list[Path]) -> str:
             sections.append((title, f'<img alt="{alt}" src="data:image/png;base64,{data}">'))
 
     image("Loss", plot_loss(runs))
+    image("Test accuracy and learning rate", plot_eval_and_lr(runs))
     image("Samples per second per rank", plot_rank_rates(runs))
     image("Step time breakdown", plot_breakdown(runs))
     image("Scaling", plot_scaling(runs))
