@@ -164,6 +164,10 @@ class TrainSection:
         default=False,
         metadata={"help": "recompute each block's activations in backward instead of keeping them"},
     )
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile the model's forward (the first steps compile it)"},
+    )
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")

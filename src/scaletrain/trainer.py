@@ -54,6 +54,8 @@ class Trainer:
             types = checkpoint_types(task.model, task.checkpoint_modules)
             log.info("activation checkpointing: %d blocks",
                      apply_activation_checkpointing(task.model, types))  # fmt: skip
+        if cfg.train.compile:
+            self.strategy.compile_model(task.model)
         self.strategy.setup(
             task.model.to(ctx.device),
             lambda params: build_optimizer(task, params, cfg),
@@ -292,4 +294,8 @@ class Trainer:
         totals.step, totals.samples_trained = self.progress.step, self.progress.samples_trained
         totals.wall_s = wall_s
         totals.steps_per_epoch = self.plan.steps_per_epoch()
+        if self.cfg.train.compile:  # what torch.compile captured (0: it fell back to eager)
+            from torch._dynamo.utils import counters
+
+            totals.compiled_graphs = int(counters["stats"]["unique_graphs"])
         return totals

@@ -75,6 +75,7 @@ class RankTotals:
     test_total: float = 0.0
     device: str = "cpu"
     steps_per_epoch: int = 0  # under this process's last membership
+    compiled_graphs: int = 0  # --compile: the graphs torch.compile captured
 
     def add(self, record: dict[str, Any]) -> None:
         self.steps += 1
@@ -207,6 +208,9 @@ def build_summary(
         # peak RSS (which also counts torch itself, data and activations).
         "max_rank_state_bytes": max((sum(r.memory.values()) for r in ranks), default=0),
         "max_rank_peak_rss_bytes": max(r.peak_rss_bytes for r in ranks),
+        # --compile: graphs torch.compile captured on the rank that captured the fewest
+        # (0 means some rank ran eagerly after all).
+        "compiled_graphs": min(r.compiled_graphs for r in ranks),
         "params_sha256": params_hash,
         # Every rank's replica hashed alike: True/False; None where ranks hold parts.
         "replicas_agree": (

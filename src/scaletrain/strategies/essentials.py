@@ -68,8 +68,9 @@ class StepEssentials:
     # fp16's loss scaler skips a step when a gradient overflows: every rank must see the same
     # gradients to decide alike (replicas after their all-reduce do; shards and stages not).
     supports_fp16: ClassVar[bool] = False
-    # Why --grad-accum does not apply ("" where it does).
+    # Why --grad-accum, --compile do not apply ("" where they do).
     grad_accum_refusal: ClassVar[str] = ""
+    compile_refusal: ClassVar[str] = ""
     cfg: Any
     ctx: Any
 
@@ -86,6 +87,8 @@ class StepEssentials:
             )
         if cfg.train.grad_accum > 1 and cls.grad_accum_refusal:
             raise ValueError(f"grad_accum: under --strategy {name} {cls.grad_accum_refusal}")
+        if cfg.train.compile and cls.compile_refusal:
+            raise ValueError(f"compile: under --strategy {name} {cls.compile_refusal}")
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -156,6 +159,11 @@ class StepEssentials:
         else:
             optimizer.step()
         return extras
+
+    def compile_model(self, model: nn.Module) -> None:
+        """--compile, before the strategy wraps the model: torch.compile its forward, in
+        place (names, state dicts and the weights' hash stay the plain model's)."""
+        model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers this process steps (for the learning rate)."""

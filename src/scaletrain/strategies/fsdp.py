@@ -107,6 +107,8 @@ class FSDPStrategy(Strategy):
             if module is not model and any(True for _ in module.parameters(recurse=False)):
                 fully_shard(module, mesh=mesh, mp_policy=self.mp_policy())
         fully_shard(model, mesh=mesh, mp_policy=self.mp_policy())
+        if getattr(self, "compile_units", False):
+            self._compile_units(model)
         self.module = model
         self.optimizer = build_optimizer(model.parameters())
         self.loss_fn = loss_fn
@@ -194,6 +196,19 @@ class FSDPStrategy(Strategy):
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.module, state["model"], options=options)
         set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"], options=options)
+
+    def compile_model(self, model: nn.Module) -> None:
+        """Each unit FSDP2 shards, compiled on its own once it is sharded (setup): FSDP2's
+        hooks around a unit cannot be traced (dynamo breaks the graph there: a compiled root
+        forward captured nothing, measured), and a forward compiled before sharding met the
+        sharded DTensor parameters; compiled after, it runs between the hooks, on the
+        unsharded parameters."""
+        self.compile_units = True
+
+    def _compile_units(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if module is not model and any(True for _ in module.parameters(recurse=False)):
+                module.forward = torch.compile(module.forward)  # type: ignore[method-assign]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

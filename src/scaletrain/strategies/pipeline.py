@@ -178,6 +178,10 @@ class PipelineStrategy(Strategy):
         "the schedule already accumulates gradients over its --microbatches before one update; "
         "raise --microbatches (and --batch-size) instead of --grad-accum"
     )
+    compile_refusal = (
+        "the stages run layers cut out of the model, not its forward; --compile would "
+        "compile nothing (not supported here yet)"
+    )
     collective = "pipeline activation send/recv"
     collective_state_dict = True
 

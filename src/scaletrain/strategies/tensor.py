@@ -49,6 +49,7 @@ class TensorStrategy(FSDPStrategy):
     data layout are fsdp.py's: both hold DTensors. Only setup and the step differ."""
 
     collective = "tensor-parallel all-reduce"
+    compile_refusal = "compiling DTensor-parallel layers is not supported here yet"
 
     @classmethod
     def checks_model(cls, cfg: RunConfig) -> bool:
