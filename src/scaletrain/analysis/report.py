@@ -72,7 +72,6 @@ class Run:
             [times[s] - start for s in steps],
         )
 
-
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """A per-step figure every rank records alike (lr, test_accuracy), by step."""
         by_step = {r["step"]: r[key] for r in self.records if r.get(key) is not None}
