@@ -53,14 +53,20 @@ def test_accumulation_over_workers_equals_one_big_batch(tmp_path, single):
 
 
 def test_clipping_uses_the_norm_over_all_ranks(tmp_path):
-    """Clipped hard (every step's norm is above 0.2), 2 ddp workers and 2 fsdp ranks end
-    with one process's weights: the norm each clips by is the global one."""
+    """Clipped hard (every step's norm is above 0.2), 2 ddp workers, 2 fsdp ranks and a
+    pipeline of 2 stages end with one process's weights: the norm each clips by is the
+    global one (over replicas, shards, stages)."""
     ref, _, ref_records = train(tmp_path / "one", batch_size=30, clip_grad_norm=0.2)
     norms = [r["grad_norm"] for r in ref_records]
     assert min(norms) > 0.2, norms  # the clip was active at every step
-    for strategy in ("ddp", "fsdp"):
+    runs = {
+        "ddp": {"batch_size": 15},
+        "fsdp": {"batch_size": 15},
+        "pipeline": {"batch_size": 30, "microbatches": 2},  # one pipeline: both see 30
+    }
+    for strategy, overrides in runs.items():
         weights, _, records = train(tmp_path / strategy, strategy=strategy, nproc_per_node=2,
-                                    batch_size=15, clip_grad_norm=0.2)  # fmt: skip
+                                    clip_grad_norm=0.2, **overrides)  # fmt: skip
         assert max_diff(weights, ref) <= 1e-5, strategy
         mine = [r["grad_norm"] for r in records if r["rank"] == 0]
         assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(mine, norms, strict=True))
