@@ -264,7 +264,8 @@ def fail(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from scaletrain.launch import InternalFailure, LaunchFailed, WorkerFailed
+    from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
+    from scaletrain.launch import InternalFailure, LaunchFailed, Preempted, WorkerFailed
 
     try:
         commands = {"shard": cmd_shard, "report": cmd_report, "bench": cmd_bench,
@@ -282,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     except InternalFailure as e:
         fail(f"internal failure: {e}")
         return 1
+    except Preempted as e:
+        fail(str(e))
+        return PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:
         fail("interrupted; workers were stopped")
         return 130

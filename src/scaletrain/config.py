@@ -291,11 +291,19 @@ class FaultSection:
     log_sample_ids: bool = field(
         default=False, metadata={"help": "record each step's sample ids in metrics.jsonl"}
     )
+    preempt_check_every: int = field(
+        default=10,
+        metadata={
+            "help": "steps between the workers' checks for a preemption request (SIGTERM, "
+            "SIGUSR1 to the launcher: finish the step, checkpoint, exit 3)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         _require(self.hang_timeout_s >= 0, "hang_timeout_s", "must be >= 0")
+        _require(self.preempt_check_every >= 1, "preempt_check_every", "must be >= 1")
         _require(
             self.recovery in RECOVERY_MODES,
             "recovery",
@@ -417,6 +425,20 @@ class PsSection:
 # Where one node of a job differs from the others: left out of RunConfig.hash().
 NODE_FIELDS = ("node_rank", "local_addr", "bind")
 
+# What a job run again on its run directory may change (launch/jobs.py): how and where it
+# runs, how long it trains (EXTENDS), what it records. Every other field is the math of the
+# training, the same in the checkpoint it resumes (math_hash); a field added later is math
+# until it is named here, so a resume never mixes two computations by accident.
+EXTENDS = ("epochs", "max_steps")
+FREE_FIELDS = frozenset({
+    *EXTENDS, "device", "num_threads", "max_memory_per_rank", "eval_every",
+    "activation_checkpointing", "compile", "verify", "checkpoint_every", "keep_checkpoints",
+    "checkpoint_async", "inject", "hang_timeout_s", "log_sample_ids", "mtbf_s", "bucket_mb",
+    "preempt_check_every",
+    "barrier_timeout_s",
+})  # fmt: skip
+FREE_SECTIONS = ("launch",)
+
 SECTIONS: dict[str, type] = {
     "launch": LaunchSection,
     "train": TrainSection,
@@ -460,6 +482,19 @@ class RunConfig:
         for name in NODE_FIELDS:
             d["launch"].pop(name)
         return hashlib.sha256(dumps_toml(d).encode()).hexdigest()[:16]
+
+    def math_fields(self) -> dict[str, Any]:
+        """The fields a resumed job must share with its checkpoints: {leaf name: value}."""
+        return {
+            name: getattr(getattr(self, section), name) if section else getattr(self, name)
+            for name, (section, _) in leaf_fields().items()
+            if name != "out" and section not in FREE_SECTIONS and name not in FREE_FIELDS
+        }
+
+    def math_hash(self) -> str:
+        """Hash of the math fields: a checkpoint loads only into a run with the same."""
+        text = dumps_toml({k: v for k, v in sorted(self.math_fields().items())})
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def leaf_fields() -> dict[str, tuple[str | None, dataclasses.Field[Any]]]:

@@ -17,6 +17,8 @@ PS_ROLE = "SCALETRAIN_PS_ROLE"  # ps: "worker" or "server"
 PS_STORE = "SCALETRAIN_PS_STORE"  # ps: HOST:PORT of the job's store
 LIGHTHOUSE = "SCALETRAIN_LIGHTHOUSE"  # inplace: URL of torchft's lighthouse
 ADDR = "SCALETRAIN_ADDR"  # inplace: this node's address, where a replica listens
+JOB_RUN = "SCALETRAIN_JOB_RUN"  # which run of the job this is (launch/jobs.py)
+ATTEMPT_BASE = "SCALETRAIN_ATTEMPT_BASE"  # the first attempt number of this job run
 # Given by the user (or the launcher, from --join-token-file).
 JOIN_TOKEN = "SCALETRAIN_JOIN_TOKEN"  # the secret a process proves to join the ps
 CACHE = "SCALETRAIN_CACHE"  # where built-in datasets are cached

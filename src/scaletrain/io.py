@@ -51,6 +51,15 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's contents, or None when it is missing or unreadable (files here are
+    written atomically, so unreadable means damaged, not half-written)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def torch_bytes(obj: Any) -> bytes:
     import torch
 

@@ -42,6 +42,7 @@ from scaletrain.fault.checkpoint import (
     save_rank_state,
     snapshot,
 )
+from scaletrain.fault.preempt import preempt_path
 from scaletrain.fault.recoveries import run_recoveries
 from scaletrain.fault.recovery import Progress, checkpoint_state, resume, rng_state
 from scaletrain.fault.watchdog import NullWatchdog, Watchdog
@@ -52,6 +53,10 @@ if TYPE_CHECKING:
     from scaletrain.trainer import Trainer
 
 log = logging.getLogger("scaletrain.lifecycle")
+
+
+class Preempted(Exception):
+    """The job was asked to stop (a preemption); this process's state is checkpointed."""
 
 
 def save_final_model(run_dir: Path, model: torch.nn.Module) -> float:
@@ -69,6 +74,11 @@ class World(ABC):
     def watchdog(self, trainer: Trainer) -> NullWatchdog:
         """What notices a hang (and ends this process) while the loop runs."""
 
+    def checkpointing(self, trainer: Trainer) -> NoCheckpoints:
+        """What saves the training state (a fleet's processes resume no checkpoint of the
+        loop's: torchft heals from a peer, ps servers keep their own)."""
+        return NoCheckpoints()
+
     @abstractmethod
     def resume(self, trainer: Trainer) -> Progress | None:
         """Where this process starts: a checkpoint's progress, or None (from the start)."""
@@ -76,6 +86,12 @@ class World(ABC):
     @abstractmethod
     def finish(self, trainer: Trainer, final: RankTotals) -> dict[str, Any] | None:
         """Report this process's ``final`` totals; summary.json where this process writes it."""
+
+    def preempted(self, trainer: Trainer) -> bool:
+        """Whether the launcher asked the job to stop (SIGTERM, SIGUSR1: launch/preempt.py):
+        True on every rank alike, at the same step. Default: never (a fleet's launcher
+        stops its processes itself)."""
+        return False
 
     @abstractmethod
     def eval_part(self, trainer: Trainer) -> tuple[int, int] | None:
@@ -87,6 +103,9 @@ class World(ABC):
 
 
 class GroupWorld(World):
+    def checkpointing(self, trainer: Trainer) -> NoCheckpoints:
+        return Checkpointing(trainer)
+
     def watchdog(self, trainer: Trainer) -> NullWatchdog:
         ctx, cfg = trainer.ctx, trainer.cfg
         return Watchdog(
@@ -105,6 +124,16 @@ class GroupWorld(World):
 
     def eval_part(self, trainer: Trainer) -> tuple[int, int] | None:
         return trainer.strategy.eval_part()
+
+    def preempted(self, trainer: Trainer) -> bool:
+        """Every --preempt-check-every steps the ranks agree (one all-reduce of a flag: some
+        rank sees logs/preempt.json, which the launcher writes when it is signalled), so all
+        stop after the same step; in between a request waits, which costs no collective."""
+        every = trainer.cfg.fault.preempt_check_every
+        if trainer.progress.step % every:
+            return False
+        asked = preempt_path(trainer.run_dir).exists()
+        return not self._all_agree(trainer, not asked)
 
     def sum_counts(self, trainer: Trainer, counts: tuple[float, ...]) -> tuple[float, ...]:
         summed = torch.tensor(counts, dtype=torch.float64, device=trainer.ctx.device)
@@ -146,9 +175,11 @@ class GroupWorld(World):
             trainer.restore_checkpoint,
             data_world_size=trainer.strategy.data_world_size,
             rank=trainer.ctx.rank,
-            config_hash=trainer.cfg.hash(),
+            math_hash=trainer.cfg.math_hash(),
             attempt=trainer.ctx.attempt,
             metrics=trainer.run_dir / "metrics.jsonl",
+            job_run=trainer.ctx.job_run,
+            attempt_base=trainer.ctx.attempt_base,
             all_agree=lambda ok: self._all_agree(trainer, ok),
         )
         if trainer.ctx.is_main:  # no rank can save before step 1, which needs rank 0
@@ -173,6 +204,7 @@ class GroupWorld(World):
             checkpoint_s=checkpoint_s,
             params_hash=params_sha256(model),
             wall_s=final.wall_s,
+            run_dir=trainer.run_dir,
             info={
                 **run_info(
                     trainer.cfg,
@@ -223,21 +255,44 @@ def read_finals(run_dir: Path) -> list[RankTotals]:
     return sorted(finals, key=lambda f: f.rank)
 
 
-class Checkpointing:
-    """Saves after every N-th applied step. Rank 0 writes the checkpoint (or, for sharded
-    state, every rank its shards through DCP); every rank writes its own RNG states and
-    per-rank strategy state beside it."""
+class NoCheckpoints:
+    def maybe_save(self) -> float:
+        return 0.0
+
+    def save(self, *, background: bool = False) -> float:
+        return 0.0
+
+    def wait(self) -> float:
+        return 0.0
+
+
+class Checkpointing(NoCheckpoints):
+    """Saves after every N-th applied step (--checkpoint-every), and when asked: at a
+    preemption and after the last step (``save``, synchronous). Rank 0 writes the checkpoint
+    (or, for sharded state, every rank its shards through DCP); every rank writes its own RNG
+    states and per-rank strategy state beside it."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.every = trainer.cfg.fault.checkpoint_every
         self.writer = AsyncCheckpointer() if trainer.cfg.fault.checkpoint_async else None
+        self.saved_step = -1
 
     def maybe_save(self) -> float:
         """Save if this step is due; returns the seconds this rank's step was blocked."""
         t = self.trainer
         if not self.every or t.progress.step % self.every:
             return 0.0
+        return self.save(background=self.writer is not None)
+
+    def save(self, *, background: bool = False) -> float:
+        """Save the state after the current step (every rank calls it); the seconds blocked."""
+        t = self.trainer
+        if self.saved_step == t.progress.step:
+            return 0.0
+        self.saved_step = t.progress.step
+        # A synchronous save waits for a background write in flight: they land in order.
+        blocked = 0.0 if background else self.wait()
         step, rank, main = t.progress.step, t.ctx.rank, t.ctx.is_main
         strategy = t.strategy
         collective = strategy.collective_state_dict  # sharded state: every rank saves
@@ -256,8 +311,9 @@ class Checkpointing:
         state = None
         if main:
             training = t.training_state(sharded=collective)
-            state = checkpoint_state(training, t.progress, t.cfg.hash(), [rng], t.ctx.world_size)
-        if self.writer is not None:
+            state = checkpoint_state(training, t.progress, t.cfg.hash(), [rng], t.ctx.world_size,
+                                     math_hash=t.cfg.math_hash())  # fmt: skip
+        if background:
             own, state = snapshot(own), snapshot(state)
 
         def write() -> None:
@@ -271,11 +327,11 @@ class Checkpointing:
                 for fault in t.faults:
                     fault.after_checkpoint(step, path, t.ctx.restart_count)
 
-        if self.writer is not None:
+        if background and self.writer is not None:
             self.writer.submit(write)
         else:
             write()
-        return time.perf_counter() - started
+        return blocked + time.perf_counter() - started
 
     def wait(self) -> float:
         """Block until a background write is on disk; the seconds that took."""

@@ -37,6 +37,8 @@ class DistContext:
     # restart: one torch.distributed world, restarted as a whole by torch's elastic agent;
     # inplace, ps: processes the launcher restarts one by one, with no world group.
     mode: str = "restart"
+    job_run: int = 0  # which run of the job (launch/jobs.py)
+    attempt_base: int = 0  # this job run's first attempt
 
     @property
     def is_main(self) -> bool:
@@ -152,7 +154,9 @@ def init_distributed(cfg: RunConfig) -> DistContext:
         local_rank=local_rank,
         local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
         restart_count=restart_count,
-        attempt=int(os.environ.get(env.ATTEMPT, restart_count)),
+        attempt=int(os.environ.get(env.ATTEMPT, env.get_int(env.ATTEMPT_BASE) + restart_count)),
         device=device,
         backend=backend,
+        job_run=env.get_int(env.JOB_RUN),
+        attempt_base=env.get_int(env.ATTEMPT_BASE),
     )

@@ -32,7 +32,7 @@ from scaletrain.data.plans import RunEnded, StepPlan
 from scaletrain.fault.inject import parse_inject
 from scaletrain.fault.recoveries import mark_resumed, note_recovery
 from scaletrain.fault.recovery import Progress
-from scaletrain.lifecycle import Checkpointing, FleetWorld, GroupWorld, World
+from scaletrain.lifecycle import FleetWorld, GroupWorld, Preempted, World
 from scaletrain.metrics.evaluation import score
 from scaletrain.metrics.sinks import StepSinks
 from scaletrain.metrics.summary import RankTotals, params_sha256, peak_rss_bytes
@@ -69,7 +69,7 @@ class Trainer:
         self.totals = RankTotals(rank=ctx.rank, attempt=ctx.attempt, device=ctx.device.type)
         self.faults = parse_inject(cfg.fault.inject)
         self.checkpoint_s = 0.0
-        self.checkpoints = Checkpointing(self) if cfg.fault.checkpoint_every else None
+        self.checkpoints = self.world.checkpointing(self)
         self.watchdog = self.world.watchdog(self)
         self.resuming = False
 
@@ -116,15 +116,17 @@ class Trainer:
         try:
             while self._step(sink):
                 pass
-        except RunEnded as e:
+        except (RunEnded, Preempted) as e:
             log.info("%s", e)
             self.watchdog.stop()
             self.strategy.close()
             return None
         finally:
             sink.close()
-        if self.checkpoints is not None:
-            self.checkpoint_s += self.checkpoints.wait()
+        if self.cfg.fault.checkpoint_every:  # the end too: a longer run can go on from it
+            self.watchdog.enter(self.progress.step, "writing the last checkpoint", "save")
+            self.checkpoint_s += self.checkpoints.save()
+        self.checkpoint_s += self.checkpoints.wait()
         self.strategy.finish()
         wall_s = time.perf_counter() - self.start
         step = self.progress.step
@@ -168,7 +170,7 @@ class Trainer:
         self.progress.step += 1
         self.progress.epoch = plan.epoch
         self.progress.samples_trained += plan.global_samples
-        checkpoint_s = self.checkpoints.maybe_save() if self.checkpoints is not None else 0.0
+        checkpoint_s = self.checkpoints.maybe_save()
         self.checkpoint_s += checkpoint_s
         record = self._record(plan, result, t0, data_s, slowed_s, checkpoint_s)
         if lr is not None:
@@ -183,6 +185,13 @@ class Trainer:
             mark_resumed(self.progress.recoveries[-1])
             if self.ctx.is_main:
                 note_recovery(self.run_dir, self.progress.recoveries[-1])
+        if self.world.preempted(self):
+            self.watchdog.enter(self.progress.step, "preempted: checkpointing", "save")
+            self.checkpoints.save()
+            raise Preempted(
+                f"preempted after step {self.progress.step}: its checkpoint is written; the "
+                "same command continues the job"
+            )
         return True
 
     def _record(
@@ -208,6 +217,7 @@ class Trainer:
             "epoch": plan.epoch,
             "rank": self.ctx.rank,
             "attempt": self.ctx.attempt,
+            "job_run": self.ctx.job_run,
             "samples": samples,
             "global_samples": plan.global_samples,
             # A rank that only held a zero-weight stand-in sample has no loss of its own.

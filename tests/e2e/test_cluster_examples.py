@@ -62,6 +62,8 @@ def test_slurm_batch_script(tmp_path):
     directives = [line for line in (EXAMPLES / "slurm.sbatch").read_text().splitlines()
                   if line.startswith("#SBATCH")]  # fmt: skip
     assert "#SBATCH --nodes=2" in directives and "#SBATCH --ntasks-per-node=1" in directives
+    # Preemption: warned with SIGUSR1, requeued when the launchers exit 3 (checkpointed).
+    assert "#SBATCH --signal=B:USR1@120" in directives and "#SBATCH --requeue" in directives
 
 
 def test_gpu_script_sets_nccl_and_one_worker_per_gpu(tmp_path):
@@ -79,7 +81,9 @@ def test_kubernetes_pytorchjob(tmp_path):
     assert job["kind"] == "PyTorchJob"
     replicas = job["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 1
-    [container] = replicas["Worker"]["template"]["spec"]["containers"]
+    pod = replicas["Worker"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= 60  # time to checkpoint on SIGTERM
+    [container] = pod["containers"]
     assert container["name"] == "pytorch"  # the name the operator looks for
     env = {e["name"]: e["value"] for e in container["env"]}
     # The operator's variables for the second pod (RANK 1) of two.
@@ -89,3 +93,35 @@ def test_kubernetes_pytorchjob(tmp_path):
     out = run_example(command, env, tmp_path)
     assert "this is node 1, 4 processes per node; world size 8" in out
     assert "c10d at scaletrain-digits-master-0:23456" in out and "gloo interface: eth0" in out
+
+
+def test_slurm_script_forwards_usr1_and_requeues_a_preempted_job(tmp_path):
+    """SLURM's warning (SIGUSR1 to the batch shell) reaches the launcher, and the launcher's
+    exit status 3 (preempted, checkpointed) requeues the job. The launcher here is a stand-in
+    that waits for SIGUSR1 and exits 3 as scaletrain does; scontrol records its calls."""
+    import signal
+    import time
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+                               'exec "$@"\n')  # fmt: skip
+    (fake / "scontrol").write_text(f'#!/usr/bin/env bash\necho "$@" >> {tmp_path}/scontrol\n')
+    ready = tmp_path / "ready"
+    (fake / "launcher").write_text(
+        f"#!/usr/bin/env bash\ntrap 'exit 3' USR1\ntouch {ready}\nwhile true; do sleep 0.1; done\n"
+    )
+    for tool in ("srun", "scontrol", "launcher"):
+        (fake / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}",
+           "SCALETRAIN": str(fake / "launcher"), "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a"}  # fmt: skip
+    script = subprocess.Popen(["bash", str(EXAMPLES / "slurm.sbatch")], env=env, cwd=tmp_path,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not ready.exists():  # the launcher runs
+        assert script.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    script.send_signal(signal.SIGUSR1)
+    assert script.wait(timeout=30) == 3
+    assert "requeue 4242" in (tmp_path / "scontrol").read_text()

@@ -118,6 +118,30 @@ def lost_ranks(
     return sorted(trained - reported)
 
 
+def job_resume_details(run_dir: Path, records: list[Record], job_run: int) -> Record:
+    """What ended the job run before ``job_run`` and how long the job was not running: from
+    its last step (``failed_at``) to this run's start (``gap_s``); ``detected_at`` is this
+    run's start, so ``resumed_s`` (set by mark_resumed) is its start-up to the first step."""
+    runs = read_jsonl(run_dir / "logs" / "job_runs.jsonl")
+    started = next((j["started_at"] for j in runs if j.get("job_run") == job_run
+                    and "started_at" in j), time.time())  # fmt: skip
+    ended = [j for j in runs if j.get("job_run") == job_run - 1 and "ended_at" in j]
+    earlier = [r for r in records if r.get("job_run", 0) < job_run]
+    last = max((r["unix_time"] for r in earlier), default=None)
+    how = ended[-1]["how"] if ended else "ended without a word (killed, or its machine lost)"
+    return {
+        "cause": f"job run {job_run - 1} {how}",
+        "rank": None,
+        "ranks": [],
+        "failed_step": max((r["step"] for r in earlier), default=0) + 1,
+        "failed_at": last,
+        "detected_at": started,
+        "detected_s": None,
+        "gap_s": started - last if last is not None else None,
+        "resumed_s": None,
+    }
+
+
 def mark_resumed(entry: dict[str, Any]) -> None:
     """Called after the first step of a restarted attempt: the recovery is complete."""
     if entry.get("detected_at"):

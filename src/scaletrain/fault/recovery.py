@@ -35,6 +35,7 @@ import torch
 from scaletrain.fault.checkpoint import load_latest, load_rank_state, rng_path
 from scaletrain.fault.recoveries import (
     failure_details,
+    job_resume_details,
     note_recovery,
     read_incidents,
     run_recoveries,
@@ -75,14 +76,17 @@ def checkpoint_state(
     config_hash: str,
     rng_states: list[dict[str, Any]],
     world_size: int,
+    math_hash: str,
 ) -> dict[str, Any]:
     """``training``: the loop's training state ({"strategy": ..., "sampler": the plan's});
-    ``rng_states``: rank 0's rng_state() (the fallback; each rank also writes its own)."""
+    ``rng_states``: rank 0's rng_state() (the fallback; each rank also writes its own);
+    ``math_hash``: what a run must share with it to resume from it (RunConfig.math_hash)."""
     return {
         **training,
         "progress": asdict(progress),
         "rng": rng_states,
         "config_hash": config_hash,
+        "math_hash": math_hash,
         # Every rank of this world writes its own state file beside the checkpoint; one that
         # is missing means that rank never got there (checked at resume).
         "world_size": world_size,
@@ -122,15 +126,19 @@ def resume(
     *,
     data_world_size: int,
     rank: int,
-    config_hash: str,
+    math_hash: str,
     attempt: int,
     metrics: Path,
+    job_run: int = 0,
+    attempt_base: int = 0,
     all_agree: Callable[[bool], bool] = lambda ok: ok,
 ) -> Progress | None:
     """Load the newest valid checkpoint through ``restore(state, rank_part)`` (the loop's
-    training state, and this process's own part, global rank ``rank``, or None). None on a first
-    attempt without one; a restarted attempt without one starts from step 0, and either way
-    the restart is recorded in the returned progress's recoveries.
+    training state, and this process's own part, global rank ``rank``, or None). None on a
+    new job's first attempt without one; a restarted attempt, or a later run of the job
+    (``job_run`` > 0, whose first attempt is ``attempt_base``), without one starts from step
+    0, and either way the restart or the job's resume is recorded in the returned progress's
+    recoveries.
 
     Valid means its file matches index.json's sha256 and every rank's own state file for it
     is whole (see own_state); ``all_agree(ok)`` is True when ``ok`` holds on every rank (a
@@ -152,12 +160,13 @@ def resume(
         below = step
     for note in skipped:
         log.warning("skipping damaged checkpoint %s", note)
-    if state is None and attempt == 0:
+    first_of_job = attempt == attempt_base
+    if state is None and first_of_job and job_run == 0:
         return None
-    if state is not None and state["config_hash"] != config_hash:
+    if state is not None and state.get("math_hash") != math_hash:
         raise ValueError(
-            f"the checkpoints in {checkpoints} were written by another configuration "
-            f"(config hash {state['config_hash']}, this run {config_hash})"
+            f"the checkpoints in {checkpoints} were written by a run with other math settings "
+            f"(hash {state.get('math_hash')}, this run {math_hash})"
         )
     if state is not None:
         restore(state, rank_part)
@@ -169,15 +178,21 @@ def resume(
     reached = max((r["step"] for r in records), default=0)
     earlier = run_recoveries(metrics.parent, progress.recoveries)
     started_at = next((e["step"] for e in earlier if e["attempt"] == attempt - 1), 0)
+    details = (
+        job_resume_details(metrics.parent, records, job_run)
+        if first_of_job
+        else failure_details(read_incidents(metrics.parent), records, attempt - 1, started_at)
+    )
     progress.recoveries.append(
         {
-            "kind": "restart",
+            "kind": "resume" if first_of_job else "restart",
             "attempt": attempt,
+            "job_run": job_run,
             "world_size": data_world_size,
             "step": progress.step,
             "lost_steps": max(0, reached - progress.step),
             "skipped_checkpoints": len(skipped),
-            **failure_details(read_incidents(metrics.parent), records, attempt - 1, started_at),
+            **details,
         }
     )
     if rank == 0:

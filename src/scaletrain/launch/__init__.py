@@ -22,12 +22,13 @@ from typing import Any
 from scaletrain.config import RunConfig, dumps_toml, parse_nnodes
 from scaletrain.launch.agent import free_port
 from scaletrain.launch.checks import check_names, check_strategy, prepare_run_dir
-from scaletrain.launch.errors import InternalFailure, LaunchFailed, WorkerFailed
+from scaletrain.launch.errors import InternalFailure, LaunchFailed, Preempted, WorkerFailed
 from scaletrain.launch.worker_env import gloo_interface
 
 __all__ = [
     "InternalFailure",
     "LaunchFailed",
+    "Preempted",
     "WorkerFailed",
     "check_names",
     "check_strategy",
@@ -104,11 +105,24 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     Returns summary.json's contents (empty when rank 0 ran on another node). Raises ValueError
     for bad input (before any worker starts) and WorkerFailed when a worker fails for good.
     """
+    from scaletrain.launch.jobs import end_job_run
     from scaletrain.launch.modes import mode_of
 
     check_names(cfg)
     check_strategy(cfg)
     cfg, run_dir = prepare_run_dir(cfg)
-    summary = runner(mode_of(cfg))(cfg, run_dir, show_progress)
+    head = cfg.launch.node_rank == 0  # node 0 keeps the job's record of its runs
+    try:
+        summary = runner(mode_of(cfg))(cfg, run_dir, show_progress)
+    except Preempted:
+        if head:
+            end_job_run(run_dir, "preempted")
+        raise
+    except BaseException:
+        if head:
+            end_job_run(run_dir, "failed")
+        raise
+    if head:
+        end_job_run(run_dir, "finished")
     summary["run_dir"] = str(run_dir)
     return summary

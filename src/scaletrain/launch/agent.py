@@ -31,7 +31,9 @@ from typing import Any
 
 from scaletrain import env
 from scaletrain.config import RunConfig, parse_nnodes
-from scaletrain.launch.errors import InternalFailure, LaunchFailed, WorkerFailed
+from scaletrain.fault.preempt import preemption_request
+from scaletrain.io import read_jsonl
+from scaletrain.launch.errors import InternalFailure, LaunchFailed, Preempted, WorkerFailed
 from scaletrain.launch.worker_env import set_launch_env
 
 
@@ -100,6 +102,7 @@ def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
         logs_specs=RunLogsSpecs(run_dir),
         local_addr="127.0.0.1" if local_only else (cfg.launch.local_addr or None),
         shutdown_timeout=5,
+        signals_to_handle=TORCH_SIGNALS,  # SIGTERM and SIGUSR1 preempt (preemption_signals)
     )
 
 
@@ -120,7 +123,7 @@ class _DeathRecorder(logging.Handler):
         """The attempt that failed: the rendezvous round its world formed in (it is still
         set: the agent logs the failure before it re-rendezvouses)."""
 
-        return int(os.environ.get(env.ATTEMPT, self.restarts))
+        return int(os.environ.get(env.ATTEMPT, env.get_int(env.ATTEMPT_BASE) + self.restarts))
 
     def root_causes(self, reported: int, exit_codes: dict[str, int]) -> list[int]:
         """The agent reports the failure it saw first, often a survivor whose collective
@@ -212,6 +215,36 @@ def record_worker_deaths(run_dir: Path, logs: Any) -> Iterator[None]:
             logger.propagate = propagate
 
 
+# torch's agent turns these into a shutdown of the workers; SIGTERM and SIGUSR1 are ours.
+TORCH_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def preemption_signals(run_dir: Path) -> Iterator[None]:
+    """SIGTERM or SIGUSR1 to the launcher asks the workers to checkpoint and stop (writes the
+    request they look for: fault/preempt.py); a second one stops them now, as torch's agent
+    does for the other signals (SIGTERM, then SIGKILL after its grace period)."""
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+    from scaletrain.fault.preempt import preempt_path, request_preemption
+
+    def handler(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if preempt_path(run_dir).exists():
+            _terminate_process_handler(signum, frame)  # raises SignalException
+        request_preemption(run_dir, name)
+        print(f"scaletrain: {name}: the workers checkpoint and stop after their current step "
+              "(send it again to stop them now)", file=sys.stderr, flush=True)  # fmt: skip
+
+    saved = {sig: signal.signal(sig, handler) for sig in PREEMPT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
+
+
 def run_restart(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:
     """This node's agent for the whole run; summary.json's contents (empty when rank 0 ran on
     another node)."""
@@ -229,7 +262,11 @@ def run_restart(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str,
     from scaletrain.launch.rendezvous import release
 
     try:
-        with progress, record_worker_deaths(run_dir, launch_config.logs_specs):
+        with (
+            progress,
+            record_worker_deaths(run_dir, launch_config.logs_specs),
+            preemption_signals(run_dir),
+        ):
             try:
                 elastic_launch(launch_config, sys.executable)(
                     "-m", "scaletrain.worker", str(run_dir)
@@ -253,5 +290,14 @@ def run_restart(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str,
         ) from e
     summary_path = run_dir / "summary.json"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    request = preemption_request(run_dir)
+    if request is not None and not summary:
+        records = read_jsonl(run_dir / "metrics.jsonl")
+        step = max((r["step"] for r in records), default=0)
+        raise Preempted(
+            f"preempted by {request['signal']}: every worker finished step {step} and its "
+            f"checkpoint is in {run_dir / 'checkpoints'}; run the same command (--out "
+            f"{run_dir}) to continue the job"
+        )
     summary["run_dir"] = str(run_dir)
     return summary

@@ -117,30 +117,39 @@ def check_shards(root: Path, *, verify: bool) -> None:
 
 
 def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
-    """Create the run directory, refuse one that already holds a run, write config.toml.
+    """Create the run directory, write config.toml, and start a job run: a new job, or the
+    next run of the job the directory holds (launch/jobs.py says when that may be).
 
     A node other than node 0 may join a job that is already training (--nnodes MIN:MAX),
     in the run directory the nodes share: it refuses only a finished run, and keeps the
     job's config.toml (the one every worker reads) when it holds the same configuration."""
+    from scaletrain.config import load_toml
+    from scaletrain.launch.jobs import plan_job_run, start_job_run
+    from scaletrain.launch.modes import mode_of
+
     out = Path(cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     joining = cfg.launch.node_rank != 0 and bool(cfg.launch.rdzv_endpoint)
-    for name in ("summary.json",) if joining else ("summary.json", "metrics.jsonl"):
-        if (out / name).exists():
+    data = cfg.to_dict()
+    data["out"] = str(out)
+    resolved = from_dict(data)
+    config = out / "config.toml"
+    if joining:
+        if (out / "summary.json").exists():
             raise ValueError(
-                f"out: {out} already holds a run ({name} exists); pass another --out or remove it"
+                f"out: {out} already holds a run (summary.json exists); pass another --out or "
+                "remove it"
             )
+        from scaletrain.launch.jobs import join_job_run
+
+        join_job_run(out)  # the job run node 0 started (a resumed job: start node 0 first)
+    else:
+        job = plan_job_run(resolved, out, mode_of(resolved))
     try:
         (out / "logs").mkdir(parents=True, exist_ok=True)
         (out / "checkpoints").mkdir(exist_ok=True)
     except OSError as e:
         raise ValueError(f"out: cannot create run directory {out}: {e.strerror}") from None
-    data = cfg.to_dict()
-    data["out"] = str(out)
-    resolved = from_dict(data)
-    config = out / "config.toml"
     if joining and config.exists():
-        from scaletrain.config import load_toml
-
         theirs = load_toml(config)
         if theirs.hash() != resolved.hash():
             raise ValueError(
@@ -151,6 +160,9 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
         return resolved, out
     from scaletrain.io import atomic_write_bytes
 
+    old = load_toml(config) if config.exists() else None
     # Atomic: a worker of a running job may read it while a node joins.
     atomic_write_bytes(config, dumps_toml(resolved.to_dict()).encode())
+    if not joining:
+        start_job_run(out, job, resolved, old)
     return resolved, out

@@ -155,6 +155,7 @@ class Supervisor(JobFleet):
             checkpoint_s=0.0,
             params_hash=main.params_sha256,
             wall_s=main.wall_s,
+            run_dir=self.run_dir,
             info={
                 **run_info(cfg, data_world_size=self.world, steps_per_epoch=main.steps_per_epoch),
                 "recovery": "inplace",

@@ -286,6 +286,7 @@ def write_summary(fleet: PSFleet) -> dict[str, Any]:
         checkpoint_s=checkpoint_s,
         params_hash=params_sha256(task.model),
         test_counts=test or [],
+        run_dir=run_dir,
         info={
             **run_info(cfg, data_world_size=fleet.num_workers, steps_per_epoch=None),
             "backend": "gloo",

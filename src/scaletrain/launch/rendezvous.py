@@ -140,7 +140,8 @@ def _announcing_rounds(handler: Any) -> Any:
         state = getattr(getattr(handler, "_state_holder", None), "state", None)
         joined = getattr(state, "round", None)
         if isinstance(joined, int):
-            os.environ[env.ATTEMPT] = str(joined)
+            # Numbered across the job: after the attempts of its earlier runs (jobs.py).
+            os.environ[env.ATTEMPT] = str(env.get_int(env.ATTEMPT_BASE) + joined)
         return info
 
     handler.next_rendezvous = next_rendezvous

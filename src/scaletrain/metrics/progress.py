@@ -201,6 +201,17 @@ def describe_ps_recovery(r: dict[str, Any], what: str) -> str:
     return line
 
 
+def job_time_line(summary: dict[str, Any]) -> str:
+    """The job's wall time, its goodput, and where the rest went (the largest items)."""
+    line = f"{summary['wall_s']:.2f} s"
+    if summary.get("goodput") is None:
+        return line
+    lost = sorted(((v, k) for k, v in summary.get("time_lost", {}).items() if v >= 0.05),
+                  reverse=True)[:3]  # fmt: skip
+    items = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.1f} s" for v, k in lost)
+    return f"{line}, goodput {summary['goodput']:.0%}" + (f" (lost: {items})" if items else "")
+
+
 def render_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     t = summary["time_breakdown"]
@@ -225,8 +236,12 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
             f"{summary['steps']} / {summary['samples']:,} "
             f"(global batch {summary['global_batch_size']})",
         ),
-        ("wall time", f"{summary['wall_s']:.2f} s"),
-        ("throughput", f"{_fmt(summary['samples_per_s'], ',.0f')} samples/s"),
+        ("wall time", job_time_line(summary)),
+        (
+            "throughput",
+            f"{_fmt(summary['samples_per_s'], ',.0f')} samples/s over the job; "
+            f"{_fmt(summary.get('train_samples_per_s'), ',.0f')} while training",
+        ),
         ("final loss", _fmt(summary["final_loss"], ".4f")),
         (
             "test accuracy",

@@ -4,16 +4,20 @@ summary.json (written by rank 0 at the end) holds the contract other tools read:
 world_size, steps, samples, wall_s, samples_per_s, final_loss, test_accuracy,
 time_breakdown {compute_s, comm_s, wait_s, data_s, checkpoint_s}, recoveries and
 params_sha256, plus the extras documented in README.md. ``steps`` and ``samples`` count the
-whole run; times, wall_s and samples_per_s the last attempt (after a restart, the one that
-finished). Time totals in time_breakdown are the mean over ranks of each rank's sum over its
-steps; per_rank lists every rank's own totals.
+whole job; so do wall_s and samples_per_s (from its first run's start, through failures and
+resumes, metrics/goodput.py, with goodput and time_lost); train_wall_s and
+train_samples_per_s, and the times, the last attempt's training loop. Time totals in
+time_breakdown are the mean over ranks of each rank's sum over its steps; per_rank lists
+every rank's own totals.
 """
 
 from __future__ import annotations
 
 import hashlib
 import resource
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,15 +133,19 @@ def summarize(
     info: dict[str, Any],
     wall_s: float | None = None,
     test_counts: list[tuple[float, float]] | None = None,
+    run_dir: Path | None = None,
 ) -> dict[str, Any]:
     """summary.json from every process's final totals, in every mode: rank 0 of a restart
     mode world gathers them; the launchers of in-place recovery and the parameter server read
-    them from logs/final/. ``wall_s``: default the longest process's; ``test_counts``: the
-    evaluation's parts, by default the processes' own."""
+    them from logs/final/. ``wall_s``: this attempt's training, default the longest process's;
+    ``test_counts``: the evaluation's parts, by default the processes' own. With ``run_dir``
+    the job's whole time (metrics/goodput.py) from its records: ``wall_s`` and
+    ``samples_per_s`` are the job's, ``train_wall_s`` and ``train_samples_per_s`` this
+    attempt's training loop."""
     counts = test_counts if test_counts is not None else [
         (r.test_correct, r.test_total) for r in finals
     ]  # fmt: skip
-    return build_summary(
+    summary = build_summary(
         finals,
         wall_s=wall_s if wall_s is not None else max(r.wall_s for r in finals),
         checkpoint_s=checkpoint_s,
@@ -146,6 +154,24 @@ def summarize(
         params_hash=params_hash,
         info={**info, "device": finals[0].device},
     )
+    summary["train_wall_s"] = summary["wall_s"]
+    summary["train_samples_per_s"] = summary["samples_per_s"]
+    if run_dir is not None:
+        from scaletrain.io import read_jsonl
+        from scaletrain.metrics.goodput import job_time
+
+        job = job_time(
+            read_jsonl(run_dir / "metrics.jsonl"),
+            read_jsonl(run_dir / "logs" / "job_runs.jsonl"),
+            recoveries,
+            end=time.time(),
+        )
+        summary["wall_s"] = job["wall_s"]
+        summary["samples_per_s"] = samples / job["wall_s"] if job["wall_s"] > 0 else None
+        summary["goodput"] = job["goodput"]
+        summary["time_lost"] = job["lost"]
+        summary["job_runs"] = job["job_runs"]
+    return summary
 
 
 @dataclass(kw_only=True)
