@@ -154,7 +154,7 @@ def init_distributed(cfg: RunConfig) -> DistContext:
         local_rank=local_rank,
         local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
         restart_count=restart_count,
-        attempt=int(os.environ.get(env.ATTEMPT, env.get_int(env.ATTEMPT_BASE) + restart_count)),
+        attempt=env.get_int(env.ATTEMPT_BASE) + int(os.environ.get(env.ATTEMPT, restart_count)),
         device=device,
         backend=backend,
         job_run=env.get_int(env.JOB_RUN),

@@ -55,9 +55,14 @@ def main(argv: list[str]) -> None:
     )
     # Imported here, under @record: an import error (a broken install, a user task's module)
     # then reaches the error file and the launcher's report like any other failure.
+    from scaletrain.fault.jobs import current_job_run
     from scaletrain.task import build_task
     from scaletrain.trainer import Trainer
 
+    # Which job run this is, as node 0 recorded it (another node's launcher may have
+    # started before it wrote the line): every node's workers label their records alike.
+    job_run, attempt_base = current_job_run(run_dir)
+    os.environ[env.JOB_RUN], os.environ[env.ATTEMPT_BASE] = str(job_run), str(attempt_base)
     cfg = load_toml(run_dir / "config.toml")
     apply_determinism(cfg, int(os.environ["LOCAL_WORLD_SIZE"]))
     mode = os.environ.get(env.MODE, "restart")

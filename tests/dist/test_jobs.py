@@ -155,9 +155,13 @@ def test_a_finished_job_trains_further_with_more_epochs(tmp_path, uninterrupted)
 def test_a_resume_that_changes_the_math_is_refused(tmp_path, change, message):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "config.toml").write_text(
+    (out / "config.toml").write_text(  # a job run of JOB's was started here
         "[train]\nepochs = 4\nseed = 4\ndeterministic = true\nnum_threads = 1\n"
         "[fault]\ncheckpoint_every = 20\n"
+    )
+    (out / "logs").mkdir()
+    (out / "logs" / "job_runs.jsonl").write_text(
+        '{"job_run": 0, "started_at": 1.0, "attempt_base": 0}\n'
     )
     result = run_cli("run", *JOB, *change, "--out", str(out), timeout=60)
     assert result.returncode == 2, result.stderr

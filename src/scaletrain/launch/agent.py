@@ -123,7 +123,10 @@ class _DeathRecorder(logging.Handler):
         """The attempt that failed: the rendezvous round its world formed in (it is still
         set: the agent logs the failure before it re-rendezvouses)."""
 
-        return int(os.environ.get(env.ATTEMPT, env.get_int(env.ATTEMPT_BASE) + self.restarts))
+        from scaletrain.fault.jobs import current_job_run
+
+        base = current_job_run(self.run_dir)[1]
+        return base + int(os.environ.get(env.ATTEMPT, self.restarts))
 
     def root_causes(self, reported: int, exit_codes: dict[str, int]) -> list[int]:
         """The agent reports the failure it saw first, often a survivor whose collective
@@ -180,12 +183,15 @@ class _GrowthRecorder(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if "new nodes from group_rank" not in str(record.msg):
             return
+        from scaletrain.fault.jobs import current_job_run
         from scaletrain.fault.watchdog import append_incident
 
         args = record.args if isinstance(record.args, tuple) else ()
+        base = current_job_run(self.run_dir)[1]
+        attempt = base + int(os.environ[env.ATTEMPT]) if env.ATTEMPT in os.environ else -1
         append_incident(
             self.run_dir,
-            {"kind": "node-joined", "attempt": int(os.environ.get(env.ATTEMPT, "-1")),
+            {"kind": "node-joined", "attempt": attempt,
              "ranks": [], "waiting": args[1] if len(args) > 1 else None,
              "node_ranks": sorted(self.logs.ranks.values()), "detected_at": record.created},
         )  # fmt: skip

@@ -139,9 +139,6 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
                 f"out: {out} already holds a run (summary.json exists); pass another --out or "
                 "remove it"
             )
-        from scaletrain.launch.jobs import join_job_run
-
-        join_job_run(out)  # the job run node 0 started (a resumed job: start node 0 first)
     else:
         job = plan_job_run(resolved, out, mode_of(resolved))
     try:
@@ -160,8 +157,10 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
         return resolved, out
     from scaletrain.io import atomic_write_bytes
 
-    old = load_toml(config) if config.exists() else None
-    # Atomic: a worker of a running job may read it while a node joins.
+    old = load_toml(config) if config.exists() and not joining else None
+    # Atomic: a worker of a running job may read it while a node joins. A joining node
+    # writes it only where node 0 has not (a run directory that is not shared, which its
+    # workers then find out), and node 0 alone records job runs.
     atomic_write_bytes(config, dumps_toml(resolved.to_dict()).encode())
     if not joining:
         start_job_run(out, job, resolved, old)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain import env
 from scaletrain.config import EXTENDS, RunConfig
+from scaletrain.fault.jobs import current_job_run, job_runs_path
 from scaletrain.fault.preempt import preempt_path
 from scaletrain.io import append_jsonl, read_jsonl
 
@@ -39,10 +39,6 @@ class JobRun:
     number: int  # 0 for the job's first run
     attempt_base: int  # the first attempt number of this run
     resumed_from: str  # "" (a new job), "unfinished" or "finished" (trained further)
-
-
-def job_runs_path(out: Path) -> Path:
-    return out / "logs" / "job_runs.jsonl"
 
 
 def math_changes(old: RunConfig, new: RunConfig) -> list[str]:
@@ -72,12 +68,15 @@ def plan_job_run(cfg: RunConfig, out: Path, mode: str) -> JobRun:
     """Decide what running ``cfg`` on ``out`` is: a new job, or the next run of the job there
     (ValueError when it may not be, naming why). Writes nothing."""
     config, summary = out / "config.toml", out / "summary.json"
-    if not config.exists():
+    started = [j["job_run"] for j in read_jsonl(job_runs_path(out)) if "started_at" in j]
+    if not started or not config.exists():
+        # No job was started here (a config.toml alone may be another node's, written as it
+        # joins this new job).
         for name in ("summary.json", "metrics.jsonl"):
             if (out / name).exists():
                 raise ValueError(
-                    f"out: {out} already holds a run ({name} exists, but no config.toml to "
-                    "resume it with); pass another --out or remove it"
+                    f"out: {out} already holds a run ({name} exists, but no record of the job "
+                    "to resume it with); pass another --out or remove it"
                 )
         return JobRun(number=0, attempt_base=0, resumed_from="")
     from scaletrain.config import load_toml
@@ -108,9 +107,8 @@ def plan_job_run(cfg: RunConfig, out: Path, mode: str) -> JobRun:
             f"out: {out} finished without checkpoints (--checkpoint-every 0), so there is no "
             "state to train further from; pass another --out"
         )
-    runs = [j["job_run"] for j in read_jsonl(job_runs_path(out)) if "started_at" in j]
     return JobRun(
-        number=max(runs, default=0) + 1,
+        number=max(started) + 1,
         attempt_base=next_attempt(out),
         resumed_from="finished" if finished else "unfinished",
     )
@@ -146,20 +144,9 @@ def start_job_run(out: Path, job: JobRun, cfg: RunConfig, old: RunConfig | None)
             if was[s].get(k) != now[s][k] and k not in ("node_rank",)
         )
     append_jsonl(job_runs_path(out), entry)
-    os.environ[env.JOB_RUN] = str(job.number)
-    os.environ[env.ATTEMPT_BASE] = str(job.attempt_base)
-
-
-def join_job_run(out: Path) -> None:
-    """Another node of a job: its workers number their records as node 0's do, from the job
-    run node 0 recorded last (0 for a new job)."""
-    started = [j for j in read_jsonl(job_runs_path(out)) if "started_at" in j]
-    last = started[-1] if started else {"job_run": 0, "attempt_base": 0}
-    os.environ[env.JOB_RUN] = str(last["job_run"])
-    os.environ[env.ATTEMPT_BASE] = str(last["attempt_base"])
 
 
 def end_job_run(out: Path, how: str) -> None:
     """Record how this job run ended: finished, preempted or failed."""
-    number = int(os.environ.get(env.JOB_RUN, "0"))
+    number = current_job_run(out)[0]
     append_jsonl(job_runs_path(out), {"job_run": number, "ended_at": time.time(), "how": how})

@@ -140,8 +140,8 @@ def _announcing_rounds(handler: Any) -> Any:
         state = getattr(getattr(handler, "_state_holder", None), "state", None)
         joined = getattr(state, "round", None)
         if isinstance(joined, int):
-            # Numbered across the job: after the attempts of its earlier runs (jobs.py).
-            os.environ[env.ATTEMPT] = str(env.get_int(env.ATTEMPT_BASE) + joined)
+            # The round of this job run; workers add the job run's first attempt (jobs.py).
+            os.environ[env.ATTEMPT] = str(joined)
         return info
 
     handler.next_rendezvous = next_rendezvous
