@@ -268,8 +268,17 @@ RECOVERY_MODES = ("restart", "inplace")
 class FaultSection:
     """Checkpoints and fault injection."""
 
-    checkpoint_every: int = field(
-        default=0, metadata={"help": "save a checkpoint every N steps (0: never)"}
+    checkpoint_every: str = field(
+        default="0",
+        metadata={
+            "help": "save a checkpoint every N steps (0: never; auto: the interval that loses "
+            "the least time to checkpoints and rework at --mtbf-s, from the measured costs)",
+            "int_or": "auto",
+        },
+    )
+    mtbf_s: float = field(
+        default=0.0,
+        metadata={"help": "--checkpoint-every auto: the mean time between failures, seconds"},
     )
     keep_checkpoints: int = field(default=3, metadata={"help": "checkpoints kept on disk"})
     checkpoint_async: bool = field(
@@ -299,8 +308,35 @@ class FaultSection:
         },
     )
 
+    @property
+    def checkpoint_auto(self) -> bool:
+        return self.checkpoint_every == "auto"
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """N of --checkpoint-every N (0: none; and 0 under auto, whose interval the loop sets)."""
+        return 0 if self.checkpoint_auto else int(self.checkpoint_every)
+
+    @property
+    def checkpoints_on(self) -> bool:
+        return self.checkpoint_auto or self.checkpoint_interval > 0
+
     def __post_init__(self) -> None:
-        _require(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
+        if isinstance(self.checkpoint_every, int):  # FaultSection(checkpoint_every=20)
+            self.checkpoint_every = str(self.checkpoint_every)
+        every = self.checkpoint_every
+        _require(
+            every == "auto" or (every.isdigit()),
+            "checkpoint_every",
+            f"must be a number of steps >= 0 or auto, got {every!r}",
+        )
+        _require(self.mtbf_s >= 0, "mtbf_s", f"must be >= 0, got {self.mtbf_s}")
+        _require(
+            not self.checkpoint_auto or self.mtbf_s > 0,
+            "mtbf_s",
+            "--checkpoint-every auto needs --mtbf-s: the mean time between failures you expect "
+            "(seconds), which with the measured checkpoint cost sets the interval",
+        )
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         _require(self.hang_timeout_s >= 0, "hang_timeout_s", "must be >= 0")
         _require(self.preempt_check_every >= 1, "preempt_check_every", "must be >= 1")
@@ -521,6 +557,8 @@ def _coerce(where: str, f: dataclasses.Field[Any], value: Any) -> Any:
         value = float(value) if ok else value
     else:
         ok = isinstance(value, str)
+        if not ok and f.metadata.get("int_or") and isinstance(value, int):
+            value, ok = str(value), not isinstance(value, bool)  # 20 or "20", or "auto"
     if not ok:
         raise ValueError(f"{where}: expected {kind}, got {value!r}")
     return value

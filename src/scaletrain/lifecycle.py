@@ -13,9 +13,9 @@ belong together, plugged into the loop (trainer.py) instead of branched on.
   to logs/final/rank<R>.json and the launcher builds summary.json from those with the same
   aggregator (metrics/summary.summarize).
 
-``Checkpointing`` is the loop's commit hook that writes a checkpoint after every
---checkpoint-every applied steps (only the restart mode resumes from them: the launcher
-refuses the flag elsewhere, launch/modes.py).
+The world also says what checkpoints the loop (checkpointing.py: only the restart mode
+resumes from them; the launcher refuses the flag elsewhere, launch/modes.py) and whether a
+preemption was asked for.
 """
 
 from __future__ import annotations
@@ -31,20 +31,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from scaletrain.checkpointing import NoCheckpoints
 from scaletrain.fault.checkpoint import (
-    AsyncCheckpointer,
-    prune_rng_files,
-    publish_dir,
     read_index,
     remove_unfinished,
-    rng_path,
-    save_checkpoint,
-    save_rank_state,
-    snapshot,
 )
 from scaletrain.fault.preempt import preempt_path
 from scaletrain.fault.recoveries import run_recoveries
-from scaletrain.fault.recovery import Progress, checkpoint_state, resume, rng_state
+from scaletrain.fault.recovery import Progress, resume
 from scaletrain.fault.watchdog import NullWatchdog, Watchdog
 from scaletrain.io import atomic_torch_save, atomic_write_json
 from scaletrain.metrics.summary import RankTotals, params_sha256, run_info, summarize
@@ -104,6 +98,8 @@ class World(ABC):
 
 class GroupWorld(World):
     def checkpointing(self, trainer: Trainer) -> NoCheckpoints:
+        from scaletrain.checkpointing import Checkpointing
+
         return Checkpointing(trainer)
 
     def watchdog(self, trainer: Trainer) -> NullWatchdog:
@@ -212,6 +208,7 @@ class GroupWorld(World):
                     steps_per_epoch=trainer.plan.steps_per_epoch(),
                 ),
                 "backend": ctx.backend,
+                "checkpointing": trainer.checkpoints.describe(),
                 **trainer.strategy.summary_info(),
             },
         )
@@ -253,90 +250,3 @@ def read_finals(run_dir: Path) -> list[RankTotals]:
         for path in (run_dir / "logs" / "final").glob("rank*.json")
     ]
     return sorted(finals, key=lambda f: f.rank)
-
-
-class NoCheckpoints:
-    def maybe_save(self) -> float:
-        return 0.0
-
-    def save(self, *, background: bool = False) -> float:
-        return 0.0
-
-    def wait(self) -> float:
-        return 0.0
-
-
-class Checkpointing(NoCheckpoints):
-    """Saves after every N-th applied step (--checkpoint-every), and when asked: at a
-    preemption and after the last step (``save``, synchronous). Rank 0 writes the checkpoint
-    (or, for sharded state, every rank its shards through DCP); every rank writes its own RNG
-    states and per-rank strategy state beside it."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.every = trainer.cfg.fault.checkpoint_every
-        self.writer = AsyncCheckpointer() if trainer.cfg.fault.checkpoint_async else None
-        self.saved_step = -1
-
-    def maybe_save(self) -> float:
-        """Save if this step is due; returns the seconds this rank's step was blocked."""
-        t = self.trainer
-        if not self.every or t.progress.step % self.every:
-            return 0.0
-        return self.save(background=self.writer is not None)
-
-    def save(self, *, background: bool = False) -> float:
-        """Save the state after the current step (every rank calls it); the seconds blocked."""
-        t = self.trainer
-        if self.saved_step == t.progress.step:
-            return 0.0
-        self.saved_step = t.progress.step
-        # A synchronous save waits for a background write in flight: they land in order.
-        blocked = 0.0 if background else self.wait()
-        step, rank, main = t.progress.step, t.ctx.rank, t.ctx.is_main
-        strategy = t.strategy
-        collective = strategy.collective_state_dict  # sharded state: every rank saves
-        t.watchdog.enter(step, "writing a checkpoint", "sharded save" if collective else "")
-        started = time.perf_counter()
-        directory, keep = t.run_dir / "checkpoints", t.cfg.fault.keep_checkpoints
-        rng = rng_state()
-        own = {"rng": rng, "strategy": strategy.rank_state_dict()}
-        shards = None
-        if collective:  # every rank writes its shards (synchronously: it is a collective)
-            name = f"step-{step:08d}.dcp"
-            tmp = directory / f".{name}.attempt{t.ctx.restart_count}.tmp"
-            strategy.save_sharded(tmp)
-            if main:
-                shards = {"dir": name, "sha256": publish_dir(tmp, directory / name)}
-        state = None
-        if main:
-            training = t.training_state(sharded=collective)
-            state = checkpoint_state(training, t.progress, t.cfg.hash(), [rng], t.ctx.world_size,
-                                     math_hash=t.cfg.math_hash())  # fmt: skip
-        if background:
-            own, state = snapshot(own), snapshot(state)
-
-        def write() -> None:
-            own_path = rng_path(directory, step, rank)
-            save_rank_state(own_path, own)
-            for fault in t.faults:
-                fault.after_rank_state(step, rank, own_path, t.ctx.restart_count)
-            if main and state is not None:
-                path = save_checkpoint(directory, step, state, keep, shards=shards)
-                prune_rng_files(directory)
-                for fault in t.faults:
-                    fault.after_checkpoint(step, path, t.ctx.restart_count)
-
-        if background and self.writer is not None:
-            self.writer.submit(write)
-        else:
-            write()
-        return blocked + time.perf_counter() - started
-
-    def wait(self) -> float:
-        """Block until a background write is on disk; the seconds that took."""
-        if self.writer is None:
-            return 0.0
-        started = time.perf_counter()
-        self.writer.wait()
-        return time.perf_counter() - started

@@ -123,7 +123,7 @@ class Trainer:
             return None
         finally:
             sink.close()
-        if self.cfg.fault.checkpoint_every:  # the end too: a longer run can go on from it
+        if self.cfg.fault.checkpoints_on:  # the end too: a longer run can go on from it
             self.watchdog.enter(self.progress.step, "writing the last checkpoint", "save")
             self.checkpoint_s += self.checkpoints.save()
         self.checkpoint_s += self.checkpoints.wait()

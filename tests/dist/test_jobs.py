@@ -167,3 +167,27 @@ def test_a_resume_that_changes_the_math_is_refused(tmp_path, change, message):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_auto_checkpoint_interval_is_agreed_and_resumes_bit_identical(tmp_path, uninterrupted):
+    """--checkpoint-every auto: every rank saves at the same steps (each checkpoint in the
+    index has both ranks' own files), the summary says what interval was chosen from what,
+    and a worker killed mid-run resumes to the uninterrupted run's weights."""
+    out = tmp_path / "run"
+    job = [a for a in JOB if a not in ("--checkpoint-every", "20")]
+    result = run_cli("run", *job, "--checkpoint-every", "auto", "--mtbf-s", "5",
+                     "--keep-checkpoints", "100", "--max-restarts", "1",
+                     "--inject", "kill:rank=1:step=50", "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    got = summary(out)
+    assert got["params_sha256"] == uninterrupted["params_sha256"]
+    c = got["checkpointing"]
+    assert c["mode"] == "auto" and c["saves"] >= 1 and c["interval_steps"] >= 1
+    assert c["predicted_overhead"] > 0 and c["mtbf_s"] == 5
+    index = json.loads((out / "checkpoints" / "index.json").read_text())
+    for entry in index:
+        for rank in (0, 1):
+            name = f"step-{entry['step']:08d}-rank{rank}.pt"
+            assert (out / "checkpoints" / "rng" / name).exists(), (entry, rank)
+    [restart] = got["recoveries"]
+    assert restart["kind"] == "restart" and restart["step"] in [e["step"] for e in index]

@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"scaletrain", "__main__", "cli"},
     {"analysis"},
     {"launch", "worker"},
-    {"trainer", "lifecycle"},
+    {"trainer", "lifecycle", "checkpointing"},
     {"strategies"},
     {
         "data",

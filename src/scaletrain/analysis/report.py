@@ -11,6 +11,7 @@ anywhere without the run directories. Per page:
 - samples/s per rank against step;
 - the mean step split into data, compute, communication in flight but hidden, blocked
   waiting, and checkpoint time, one bar per run;
+- the job's wall time split into kept steps (goodput) and each kind of lost time;
 - with runs of two or more world sizes: throughput against workers, beside the ideal
   (the smallest run's rate per worker, times the workers);
 - staleness histograms, for runs whose summary.json has one (parameter-server runs);
@@ -153,6 +154,31 @@ def plot_breakdown(runs: list[Run]) -> str:
     return png(fig)
 
 
+LOST = ("startup_s", "redone_s", "checkpoint_s", "failure_detection_s", "restart_s",
+        "between_job_runs_s", "finish_s")  # fmt: skip
+
+
+def plot_job_time(runs: list[Run]) -> str | None:
+    """The job's wall time per run: kept steps (goodput), then each kind of lost time."""
+    with_job = [r for r in runs if r.summary.get("goodput") is not None]
+    if not with_job:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 0.6 * len(with_job) + 1.8))
+    colors = ("#55a868", "#999", "#c44e52", "#dd8452", "#8172b2", "#937860", "#da8bc3", "#ccb974")
+    for i, run in enumerate(with_job):
+        s = run.summary
+        values = [s["goodput"] * s["wall_s"], *(s["time_lost"].get(k, 0.0) for k in LOST)]
+        left = 0.0
+        for name, value, color in zip(("kept steps", *LOST), values, colors, strict=True):
+            label = name.removesuffix("_s").replace("_", " ") if i == 0 else None
+            ax.barh(i, value, left=left, color=color, label=label)
+            left += value
+    ax.set_yticks(range(len(with_job)), [r.label for r in with_job], fontsize=8)
+    ax.set(xlabel="seconds of the job's wall time", title="where the job's time went (goodput)")
+    ax.legend(fontsize=8, loc="lower right", ncol=4)
+    return png(fig)
+
+
 def plot_scaling(runs: list[Run]) -> str | None:
     by_world: dict[int, float] = {}
     for run in runs:
@@ -244,6 +270,7 @@ def build_report(run_dirs: list[Path]) -> str:
     image("Test accuracy and learning rate", plot_eval_and_lr(runs))
     image("Samples per second per rank", plot_rank_rates(runs))
     image("Step time breakdown", plot_breakdown(runs))
+    image("The job's time", plot_job_time(runs))
     image("Scaling", plot_scaling(runs))
     image("Staleness", plot_staleness(runs))
     for run in runs:

@@ -102,7 +102,7 @@ def plan_job_run(cfg: RunConfig, out: Path, mode: str) -> JobRun:
             f"out: {out} holds a job; resuming a job runs in the restart mode (from its "
             f"checkpoints), not under {name}; pass another --out"
         )
-    if finished and not old.fault.checkpoint_every and not _has_checkpoints(out):
+    if finished and not old.fault.checkpoints_on and not _has_checkpoints(out):
         raise ValueError(
             f"out: {out} finished without checkpoints (--checkpoint-every 0), so there is no "
             "state to train further from; pass another --out"

@@ -59,7 +59,7 @@ def refusals(cfg: RunConfig) -> list[str]:
                 "nnodes: inplace recovery starts a fixed set of replicas (the survivors of a "
                 f"lost node go on without it); pass --nnodes N, not {cfg.launch.nnodes!r}"
             )
-        if cfg.fault.checkpoint_every:
+        if cfg.fault.checkpoints_on:
             out.append(
                 f"checkpoint_every: {name} keeps no checkpoints (nothing is rolled back; a "
                 "restarted replica copies a live peer's state); drop --checkpoint-every"
@@ -72,6 +72,11 @@ def refusals(cfg: RunConfig) -> list[str]:
             out.append(_NO_HANG_WATCHDOG.format(name=name))
     if mode == "ps":
         name = "--strategy ps"
+        if cfg.fault.checkpoint_auto:
+            out.append(
+                f"checkpoint_every: under {name} the servers checkpoint every N of their own "
+                "updates; auto sets the training loop's interval: pass a number"
+            )
         if cfg.fault.recovery != "restart":
             out.append(
                 "recovery: the parameter server recovers its own way (a dead worker's data is "

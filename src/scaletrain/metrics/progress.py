@@ -212,6 +212,19 @@ def job_time_line(summary: dict[str, Any]) -> str:
     return f"{line}, goodput {summary['goodput']:.0%}" + (f" (lost: {items})" if items else "")
 
 
+def checkpointing_line(c: dict[str, Any]) -> str:
+    """How often the loop checkpointed, and (with an MTBF) what that costs."""
+    every = c.get("interval_steps")
+    line = f"{c['mode']}: every {every} steps" if every else f"{c['mode']}"
+    if c.get("interval_s") is not None:
+        line += f" ({c['interval_s']:.1f} s)"
+    if c.get("cost_s") is not None:
+        line += f"; a save blocks {c['cost_s'] * 1e3:.0f} ms"
+    if c.get("predicted_overhead") is not None:
+        line += f"; predicted overhead {c['predicted_overhead']:.1%} at MTBF {c['mtbf_s']:g} s"
+    return line
+
+
 def render_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     t = summary["time_breakdown"]
@@ -241,6 +254,11 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
             "throughput",
             f"{_fmt(summary['samples_per_s'], ',.0f')} samples/s over the job; "
             f"{_fmt(summary.get('train_samples_per_s'), ',.0f')} while training",
+        ),
+        *(
+            [("checkpoints", checkpointing_line(c))]
+            if (c := summary.get("checkpointing")) and c.get("mode") != "none"
+            else []
         ),
         ("final loss", _fmt(summary["final_loss"], ".4f")),
         (

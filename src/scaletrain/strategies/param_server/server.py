@@ -161,7 +161,7 @@ class ShardServer:
 
     def _maybe_checkpoint(self) -> None:
         """Called with the lock held, after an update."""
-        every = self.cfg.fault.checkpoint_every
+        every = self.cfg.fault.checkpoint_interval
         if not every or self.version % every:
             return
         state = {

@@ -1,0 +1,183 @@
+"""The loop's checkpoints (the restart mode's: GroupWorld.checkpointing): after every N-th
+applied step (--checkpoint-every N), at the interval that loses least (--checkpoint-every
+auto with --mtbf-s: fault/interval.py, from the measured save cost and step time, agreed
+over the ranks), and when asked: at a preemption and after the last step.
+
+Rank 0 writes the checkpoint (or, for sharded state, every rank its shards through DCP);
+every rank writes its own RNG states and per-rank strategy state beside it. summary.json's
+``checkpointing`` says what was chosen and what it cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from scaletrain.fault.checkpoint import (
+    AsyncCheckpointer,
+    prune_rng_files,
+    publish_dir,
+    rng_path,
+    save_checkpoint,
+    save_rank_state,
+    snapshot,
+)
+from scaletrain.fault.interval import interval_steps, optimal_interval_s, predicted_overhead
+from scaletrain.fault.recovery import checkpoint_state, rng_state
+
+if TYPE_CHECKING:
+    from scaletrain.trainer import Trainer
+
+# Under auto, the first save comes after this many steps (its cost is measured there).
+AUTO_FIRST_STEPS = 10
+
+
+class NoCheckpoints:
+    """Where the loop keeps no checkpoints of its own."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": "none"}
+
+    def maybe_save(self) -> float:
+        return 0.0
+
+    def save(self, *, background: bool = False) -> float:
+        return 0.0
+
+    def wait(self) -> float:
+        return 0.0
+
+
+class Checkpointing(NoCheckpoints):
+    """Saves after every N-th applied step, or at the interval auto chose, and when asked
+    (``save``: synchronous unless ``background``)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        fault = trainer.cfg.fault
+        self.every, self.auto, self.mtbf_s = (
+            fault.checkpoint_interval,
+            fault.checkpoint_auto,
+            fault.mtbf_s,
+        )
+        self.writer = AsyncCheckpointer() if fault.checkpoint_async else None
+        self.saved_step = -1
+        self.next_step = trainer.progress.step + AUTO_FIRST_STEPS  # auto: the next save
+        self.costs: list[float] = []  # seconds each periodic save blocked this rank
+        self.step_times: list[float] = []  # seconds between steps, saves left out
+        self._last: float | None = None
+        self._blocked = 0.0
+        self.plan: dict[str, Any] = {}
+
+    def maybe_save(self) -> float:
+        """After every applied step: save if one is due; the seconds this rank was blocked."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self.step_times.append(now - self._last - self._blocked)
+        self._blocked = 0.0
+        step = self.trainer.progress.step
+        due = step >= self.next_step if self.auto else bool(self.every) and step % self.every == 0
+        if due:
+            self._blocked = self.save(background=self.writer is not None)
+            self.costs.append(self._blocked)
+            if self.auto:
+                self._plan_next()
+        self._last = time.perf_counter()
+        return self._blocked
+
+    def _plan_next(self) -> None:
+        """The next save's step, from the costs measured so far: the same on every rank (the
+        larger of the ranks' medians), so all save at the same steps."""
+        t = self.trainer
+        measured = torch.tensor(
+            [statistics.median(self.costs), statistics.median(self.step_times[-50:] or [0.0])],
+            dtype=torch.float64,
+        )
+        if t.ctx.world_size > 1:
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        cost_s, step_s = float(measured[0]), float(measured[1])
+        steps = interval_steps(cost_s, step_s, self.mtbf_s)
+        self.next_step = t.progress.step + steps
+        self.plan = {"cost_s": cost_s, "step_s": step_s, "interval_steps": steps}
+
+    def describe(self) -> dict[str, Any]:
+        """summary.json's ``checkpointing``: the interval and what it costs."""
+        cost_s = statistics.median(self.costs) if self.costs else None
+        step_s = statistics.median(self.step_times) if self.step_times else None
+        if self.auto and self.plan:  # what the last interval was chosen from
+            cost_s, step_s = self.plan["cost_s"], self.plan["step_s"]
+        steps = self.plan.get("interval_steps") if self.auto else (self.every or None)
+        out: dict[str, Any] = {
+            "mode": "auto" if self.auto else ("every" if self.every else "none"),
+            "interval_steps": steps,
+            "saves": len(self.costs),
+            "cost_s": cost_s,
+            "step_s": step_s,
+            "mtbf_s": self.mtbf_s or None,
+        }
+        if steps and step_s and cost_s is not None and self.mtbf_s:
+            interval_s = steps * step_s
+            out["interval_s"] = interval_s
+            out["predicted_overhead"] = predicted_overhead(cost_s, interval_s, self.mtbf_s)
+            out["optimal_interval_s"] = optimal_interval_s(cost_s, self.mtbf_s)
+        return out
+
+    def save(self, *, background: bool = False) -> float:
+        """Save the state after the current step (every rank calls it); the seconds blocked."""
+        t = self.trainer
+        if self.saved_step == t.progress.step:
+            return 0.0
+        self.saved_step = t.progress.step
+        # A synchronous save waits for a background write in flight: they land in order.
+        blocked = 0.0 if background else self.wait()
+        step, rank, main = t.progress.step, t.ctx.rank, t.ctx.is_main
+        strategy = t.strategy
+        collective = strategy.collective_state_dict  # sharded state: every rank saves
+        t.watchdog.enter(step, "writing a checkpoint", "sharded save" if collective else "")
+        started = time.perf_counter()
+        directory, keep = t.run_dir / "checkpoints", t.cfg.fault.keep_checkpoints
+        rng = rng_state()
+        own = {"rng": rng, "strategy": strategy.rank_state_dict()}
+        shards = None
+        if collective:  # every rank writes its shards (synchronously: it is a collective)
+            name = f"step-{step:08d}.dcp"
+            tmp = directory / f".{name}.attempt{t.ctx.restart_count}.tmp"
+            strategy.save_sharded(tmp)
+            if main:
+                shards = {"dir": name, "sha256": publish_dir(tmp, directory / name)}
+        state = None
+        if main:
+            training = t.training_state(sharded=collective)
+            state = checkpoint_state(training, t.progress, t.cfg.hash(), [rng], t.ctx.world_size,
+                                     math_hash=t.cfg.math_hash())  # fmt: skip
+        if background:
+            own, state = snapshot(own), snapshot(state)
+
+        def write() -> None:
+            own_path = rng_path(directory, step, rank)
+            save_rank_state(own_path, own)
+            for fault in t.faults:
+                fault.after_rank_state(step, rank, own_path, t.ctx.restart_count)
+            if main and state is not None:
+                path = save_checkpoint(directory, step, state, keep, shards=shards)
+                prune_rng_files(directory)
+                for fault in t.faults:
+                    fault.after_checkpoint(step, path, t.ctx.restart_count)
+
+        if background and self.writer is not None:
+            self.writer.submit(write)
+        else:
+            write()
+        return blocked + time.perf_counter() - started
+
+    def wait(self) -> float:
+        """Block until a background write is on disk; the seconds that took."""
+        if self.writer is None:
+            return 0.0
+        started = time.perf_counter()
+        self.writer.wait()
+        return time.perf_counter() - started
