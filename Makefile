@@ -51,6 +51,7 @@ bench: install
 	$(BIN)/python benchmarks/ps_transport.py
 	$(BIN)/python benchmarks/activation_memory.py
 	$(BIN)/python benchmarks/compile_speed.py
+	$(BIN)/python benchmarks/checkpoint_interval.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

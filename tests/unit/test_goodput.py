@@ -57,3 +57,15 @@ def test_a_push_the_servers_did_not_apply_is_lost_time():
 def test_without_a_job_record_the_job_starts_at_its_first_step():
     job = job_time([step(0, 1, 11)], [], [], end=11.0)
     assert job["wall_s"] == 1.0 and job["goodput"] == 1.0
+
+
+def test_a_rank_waiting_while_rank_0_writes_is_not_training():
+    """Step 4: rank 0 writes the checkpoint for 0.5 s; rank 1, done at 104, starts step 5 and
+    waits in its all-reduce until rank 0 joins at 104.5. The 0.5 s is checkpoint time."""
+    records = [
+        step(0, 4, 104.5, step_s=1.5, checkpoint_s=0.5), step(1, 4, 104.0),
+        step(0, 5, 105.5), step(1, 5, 105.5, step_s=1.5),
+    ]  # fmt: skip
+    job = job_time(records, [{"job_run": 0, "started_at": 103.0}], [], end=105.5)
+    assert job["lost"]["checkpoint_s"] == pytest.approx(0.5)
+    assert job["kept_s"] == pytest.approx(2.0)

@@ -18,8 +18,9 @@ share of it spent in steps whose results were kept; the rest is itemized:
 Pure: a function of metrics.jsonl's records (every rank's; a step's interval is
 [unix_time - step_s, unix_time]), logs/job_runs.jsonl and the recoveries. Over ranks the
 intervals are merged (a union), so ranks that train side by side count once, and survivors
-that go on while another recovers (in place, a parameter server) keep the job's time good.
-A step is redone when the same rank records the same step again in a later attempt.
+that go on while another recovers (in place, a parameter server) keep the job's time good;
+the ranks of one lockstep step count as one interval, blocked for its longest checkpoint
+write. A step is redone when the same rank records the same step again in a later attempt.
 """
 
 from __future__ import annotations
@@ -66,13 +67,24 @@ def job_time(
     for r in records:
         key = (r["rank"], r["step"])
         later[key] = max(later.get(key, -1), r.get("attempt", 0))
+    # The ranks of one step (same job run, attempt and step: lockstep) as one interval, from
+    # the last to start (before it, the others wait for it in the step's collective) to the
+    # last to end, blocked for its longest checkpoint write: a rank that waits in the next
+    # step's collective while rank 0 writes is waiting, not training.
+    steps: dict[tuple[int, int, int], list[Record]] = {}
+    for r in records:
+        steps.setdefault((r.get("job_run", 0), r.get("attempt", 0), r["step"]), []).append(r)
     kept: list[tuple[float, float]] = []
     redone: list[tuple[float, float]] = []
     blocked: list[tuple[float, float]] = []
-    for r in records:
-        lo, hi = r["unix_time"] - r["step_s"], r["unix_time"]
-        ckpt = min(r.get("checkpoint_s", 0.0), r["step_s"])
-        thrown = r.get("attempt", 0) < later[(r["rank"], r["step"])] or r.get("committed") is False
+    for group in steps.values():
+        lo = max(r["unix_time"] - r["step_s"] for r in group)
+        hi = max(r["unix_time"] for r in group)
+        ckpt = min(max(r.get("checkpoint_s", 0.0) for r in group), hi - lo)
+        thrown = all(
+            r.get("attempt", 0) < later[(r["rank"], r["step"])] or r.get("committed") is False
+            for r in group
+        )
         (redone if thrown else kept).append((lo, hi - ckpt))
         blocked.append((hi - ckpt, hi))
     kept_s = _length(kept)
