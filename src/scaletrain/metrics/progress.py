@@ -215,7 +215,9 @@ def job_time_line(summary: dict[str, Any]) -> str:
 def checkpointing_line(c: dict[str, Any]) -> str:
     """How often the loop checkpointed, and (with an MTBF) what that costs."""
     every = c.get("interval_steps")
-    line = f"{c['mode']}: every {every} steps" if every else f"{c['mode']}"
+    line = f"every {every} steps" if every else "only at the end"
+    if c["mode"] == "auto":
+        line = f"auto: {line}"
     if c.get("interval_s") is not None:
         line += f" ({c['interval_s']:.1f} s)"
     if c.get("cost_s") is not None:
