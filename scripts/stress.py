@@ -1,8 +1,8 @@
 """``make stress``: run the fault tests ROUNDS times and print each test's pass count.
 
 Every round is one pytest process over the fault tests (worker kills and hangs, damaged
-checkpoints, node loss, parameter-server worker and server kills, in-place recovery, the
-multi-host lab when it can run), with a new SCALETRAIN_STRESS_SEED, so the bitwise-resume
+checkpoints, node loss, parameter-server worker and server kills, in-place recovery, whole
+jobs preempted or killed and run again, the multi-host lab when it can run), with a new SCALETRAIN_STRESS_SEED, so the bitwise-resume
 property test draws new configurations and kill points each round
 (SCALETRAIN_RESUME_DRAWS of them; default 3 a round here, 6 in ``make test``).
 
@@ -34,6 +34,7 @@ FAULT_TESTS = [
     "tests/dist/test_ps_server.py",
     "tests/dist/test_inplace.py",
     "tests/dist/test_failures.py",
+    "tests/dist/test_jobs.py",
     "tests/e2e/test_netns.py",
 ]
 # pytest -rA's short summary: "PASSED tests/...::name", "FAILED tests/...::name - reason".
