@@ -2,8 +2,9 @@
 
 Every round is one pytest process over the fault tests (worker kills and hangs, damaged
 checkpoints, node loss, parameter-server worker and server kills, in-place recovery, whole
-jobs preempted or killed and run again, the multi-host lab when it can run), with a new SCALETRAIN_STRESS_SEED, so the bitwise-resume
-property test draws new configurations and kill points each round
+jobs preempted or killed and run again, the multi-host lab when it can run), with a new
+SCALETRAIN_STRESS_SEED, so the bitwise-resume property test draws new configurations and
+kill points each round
 (SCALETRAIN_RESUME_DRAWS of them; default 3 a round here, 6 in ``make test``).
 
 A test that fails in any round is a bug to find: the summary lists every failure with the
