@@ -164,6 +164,16 @@ class TrainSection:
         default=False,
         metadata={"help": "recompute each block's activations in backward instead of keeping them"},
     )
+    balance: str = field(
+        default="none",
+        metadata={
+            "help": "none, or speed: split each step's samples over the ranks in proportion "
+            "to their measured speed (slower workers get fewer)"
+        },
+    )
+    balance_every: int = field(
+        default=10, metadata={"help": "--balance speed: steps between re-plans of the split"}
+    )
     compile: bool = field(
         default=False,
         metadata={"help": "torch.compile the model's forward (the first steps compile it)"},
@@ -182,6 +192,12 @@ class TrainSection:
         )
         _require(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
         _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(
+            self.balance in ("none", "speed"),
+            "balance",
+            f"must be none or speed, got {self.balance!r}",
+        )
+        _require(self.balance_every >= 1, "balance_every", "must be >= 1")
         _require(
             self.device in ("auto", "cpu", "cuda"),
             "device",
@@ -428,6 +444,13 @@ class PsSection:
         default=-1,
         metadata={"help": "ssp: how many steps a worker may run ahead of the slowest (required)"},
     )
+    staleness_rule: str = field(
+        default="none",
+        metadata={
+            "help": "asp, ssp: the learning rate of each push: none (--lr), share (--lr / "
+            "workers), inverse (--lr / (1 + staleness)), share-inverse, share-sqrt"
+        },
+    )
     barrier_timeout_s: float = field(
         default=30.0,
         metadata={"help": "bsp: how long the servers wait for a silent worker before dropping it"},
@@ -470,7 +493,7 @@ FREE_FIELDS = frozenset({
     *EXTENDS, "device", "num_threads", "max_memory_per_rank", "eval_every",
     "activation_checkpointing", "compile", "verify", "checkpoint_every", "keep_checkpoints",
     "checkpoint_async", "inject", "hang_timeout_s", "log_sample_ids", "mtbf_s", "bucket_mb",
-    "preempt_check_every",
+    "preempt_check_every", "balance", "balance_every",
     "barrier_timeout_s",
 })  # fmt: skip
 FREE_SECTIONS = ("launch",)

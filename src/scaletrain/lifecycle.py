@@ -87,6 +87,10 @@ class World(ABC):
         stops its processes itself)."""
         return False
 
+    def gather(self, trainer: Trainer, value: float) -> list[float]:
+        """Every rank's ``value`` (--balance speed's rates): a group's only."""
+        raise NotImplementedError("only the restart mode's world gathers")
+
     @abstractmethod
     def eval_part(self, trainer: Trainer) -> tuple[int, int] | None:
         """The slice of the test split this process scores during training (None: none)."""
@@ -130,6 +134,15 @@ class GroupWorld(World):
             return False
         asked = preempt_path(trainer.run_dir).exists()
         return not self._all_agree(trainer, not asked)
+
+    def gather(self, trainer: Trainer, value: float) -> list[float]:
+        """Every rank's ``value``, in rank order (a collective)."""
+        mine = torch.tensor([value], dtype=torch.float64, device=trainer.ctx.device)
+        if trainer.ctx.world_size == 1:
+            return [value]
+        out = [torch.zeros_like(mine) for _ in range(trainer.ctx.world_size)]
+        dist.all_gather(out, mine)
+        return [float(t) for t in out]
 
     def sum_counts(self, trainer: Trainer, counts: tuple[float, ...]) -> tuple[float, ...]:
         summed = torch.tensor(counts, dtype=torch.float64, device=trainer.ctx.device)

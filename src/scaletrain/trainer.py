@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletrain.config import RunConfig
+from scaletrain.data.balance import RateMeter, next_shares
 from scaletrain.data.plans import RunEnded, StepPlan
 from scaletrain.fault.inject import parse_inject
 from scaletrain.fault.recoveries import mark_resumed, note_recovery
@@ -72,6 +73,8 @@ class Trainer:
         self.checkpoints = self.world.checkpointing(self)
         self.watchdog = self.world.watchdog(self)
         self.resuming = False
+        self.rates = RateMeter() if cfg.train.balance == "speed" else None
+        self.smoothed_rates: list[float] | None = None
 
     # -- the training state: what a checkpoint holds and a healing replica copies ---------
     def training_state(self, *, sharded: bool = False) -> dict[str, Any]:
@@ -178,6 +181,8 @@ class Trainer:
         every = self.cfg.train.eval_every
         if every and self.progress.step % every == 0:
             record |= self.evaluate_now()
+        if self.rates is not None:
+            self._balance(plan, data_s + result.compute_s + slowed_s)
         sink.write(record)
         self.totals.add(record)
         if self.resuming:  # the first step after a restart: recovery complete
@@ -242,6 +247,21 @@ class Trainer:
         if self.cfg.fault.log_sample_ids:
             record["sample_ids"] = plan.indices if samples else []
         return record
+
+    def _balance(self, plan: StepPlan, busy_s: float) -> None:
+        """--balance speed: this rank's busy time (loading, computing, not waiting); every
+        --balance-every steps the ranks' rates are gathered and the split re-planned."""
+        assert self.rates is not None
+        self.rates.add(plan.num_samples, busy_s)
+        if self.progress.step % self.cfg.train.balance_every:
+            return
+        self.watchdog.enter(self.progress.step, "balancing", "all-gather of rates")
+        rates = self.world.gather(self, self.rates.take())
+        shares, self.smoothed_rates = next_shares(self.plan.shares(), rates, self.smoothed_rates)
+        if shares is not None:
+            log.info("balance: shares %s from rates %s", [round(x, 3) for x in shares],
+                     [round(r) for r in rates])  # fmt: skip
+            self.plan.set_shares(shares)
 
     def _set_lr(self) -> float | None:
         """The schedule's learning rate for this update (None where this process steps no

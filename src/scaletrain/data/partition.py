@@ -77,21 +77,44 @@ def step_bounds(
     return bounds
 
 
-def split_counts(count: int, world_size: int) -> list[int]:
-    """Balanced split of one global step: the first count % world_size ranks get one more."""
-    base, extra = divmod(count, world_size)
-    return [base + (1 if r < extra else 0) for r in range(world_size)]
+def split_counts(count: int, world_size: int, shares: Sequence[float] | None = None) -> list[int]:
+    """Split of one global step over the ranks. Equal by default: the first
+    count % world_size ranks get one more. With ``shares`` (one weight per rank, --balance
+    speed), in proportion to them: each rank its whole part, the samples left over by
+    largest remainder (ties to the lower rank), so every rank computes the same split."""
+    if shares is None:
+        base, extra = divmod(count, world_size)
+        return [base + (1 if r < extra else 0) for r in range(world_size)]
+    if len(shares) != world_size or min(shares) < 0 or sum(shares) <= 0:
+        raise ValueError(f"shares {list(shares)} do not fit a world of {world_size}")
+    total = float(sum(shares))
+    exact = [count * w / total for w in shares]
+    counts = [int(x) for x in exact]
+    left = count - sum(counts)
+    by_remainder = sorted(range(world_size), key=lambda r: (-(exact[r] - counts[r]), r))
+    for r in by_remainder[:left]:
+        counts[r] += 1
+    return counts
 
 
-def rank_slice(start: int, end: int, world_size: int, rank: int) -> tuple[int, int]:
+def rank_slice(
+    start: int, end: int, world_size: int, rank: int, shares: Sequence[float] | None = None
+) -> tuple[int, int]:
     """This rank's contiguous [start, end) within one global step (empty when it has none)."""
-    counts = split_counts(end - start, world_size)
+    counts = split_counts(end - start, world_size, shares)
     lo = start + sum(counts[:rank])
     return lo, lo + counts[rank]
 
 
-def rank_indices(order: np.ndarray, start: int, end: int, world_size: int, rank: int) -> list[int]:
+def rank_indices(
+    order: np.ndarray,
+    start: int,
+    end: int,
+    world_size: int,
+    rank: int,
+    shares: Sequence[float] | None = None,
+) -> list[int]:
     """Sample ids this rank reads in one step. A rank with no sample of its own reads the
     step's first one, to be weighted zero (see the module docstring)."""
-    lo, hi = rank_slice(start, end, world_size, rank)
+    lo, hi = rank_slice(start, end, world_size, rank, shares)
     return [int(i) for i in order[lo:hi]] if hi > lo else [int(order[start])]

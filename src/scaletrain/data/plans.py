@@ -78,6 +78,13 @@ class BatchPlan(ABC):
     def steps_per_epoch(self) -> int:
         return 0
 
+    def shares(self) -> list[float] | None:
+        """Each rank's weight in a step's split (--balance speed); None: even."""
+        return None
+
+    def set_shares(self, shares: list[float]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} splits no step by shares")
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -130,6 +137,13 @@ class SampledPlan(BatchPlan):
     def commit(self, plan: StepPlan) -> None:
         self.sampler.commit(plan.global_samples)
 
+    def shares(self) -> list[float] | None:
+        return self.sampler.shares
+
+    def set_shares(self, shares: list[float]) -> None:
+        """From the next step dealt on (every rank the same, at the same step)."""
+        self.sampler.shares = list(shares)
+
     def steps_per_epoch(self) -> int:
         return self.sampler.steps_per_epoch()
 
@@ -175,11 +189,13 @@ class SamplerPlan(SampledPlan):
             self._start_epoch(epoch)
         start, end = self._bounds.pop(0)
         self._dealt = 1
+        shares = self.sampler.shares
         return StepPlan(
             step=progress.step + 1,
             epoch=self.sampler.epoch,
-            indices=rank_indices(self._order, start, end, self.world, self.rank),
-            num_samples=split_counts(end - start, self.world)[self.rank],
+            indices=rank_indices(self._order, start, end, self.world, self.rank, shares),
+            num_samples=split_counts(end - start, self.world, shares)[self.rank],
+            extras={"share": shares[self.rank] / sum(shares)} if shares else {},
             global_samples=end - start,
         )
 

@@ -52,6 +52,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.shard_sizes = list(shard_sizes) if shard_sizes else None
         self.epoch = 0
         self.cursor = 0
+        # --balance speed: each rank's weight in a step's split (None: equal shares).
+        self.shares: list[float] | None = None
         if not partition.step_bounds(num_samples, self.global_batch, drop_last):
             raise ValueError(
                 f"drop_last with {num_samples} samples and a global batch of {self.global_batch} "
@@ -95,8 +97,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order()
-        for start, end in self.bounds():
-            yield partition.rank_indices(order, start, end, self.world_size, self.rank)
+        for start, end in self.bounds():  # the shares as they are when each step is read
+            yield partition.rank_indices(order, start, end, self.world_size, self.rank,
+                                         self.shares)  # fmt: skip
 
     def commit(self, global_samples: int) -> None:
         """The step that trained on the next ``global_samples`` samples has been applied."""
@@ -108,6 +111,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
             "cursor": self.cursor,
             "seed": self.seed,
             "num_samples": self.num_samples,
+            "shares": self.shares,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -119,3 +123,6 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if not 0 <= state["cursor"] <= self.num_samples:
             raise ValueError(f"sampler state has cursor {state['cursor']} outside the epoch")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        shares = state.get("shares")
+        # Shares fit the world that planned them; a resized world starts equal again.
+        self.shares = list(shares) if shares and len(shares) == self.world_size else None

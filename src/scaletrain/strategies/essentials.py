@@ -71,6 +71,7 @@ class StepEssentials:
     # Why --grad-accum, --compile do not apply ("" where they do).
     grad_accum_refusal: ClassVar[str] = ""
     compile_refusal: ClassVar[str] = ""
+    balance_refusal: ClassVar[str] = ""
     cfg: Any
     ctx: Any
 
@@ -89,6 +90,9 @@ class StepEssentials:
             raise ValueError(f"grad_accum: under --strategy {name} {cls.grad_accum_refusal}")
         if cfg.train.compile and cls.compile_refusal:
             raise ValueError(f"compile: under --strategy {name} {cls.compile_refusal}")
+        if cfg.train.balance != "none" and (cls.balance_refusal or cfg.parallel.tp > 1):
+            why = cls.balance_refusal or "a tensor-parallel group shares one batch (--tp)"
+            raise ValueError(f"balance: under --strategy {name} {why}")
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:

@@ -130,6 +130,7 @@ def wait_for_peers(run_dir: Path, rank: int, world: int, timeout_s: float) -> No
 
 class InplaceStrategy(Strategy):
     supports_fp16 = True  # every participant holds the same gradients after the all-reduce
+    balance_refusal = "each step is split over that step's quorum; not balanced yet"
     collective = "torchft gradient all-reduce"
     plan_collective = "torchft quorum"
     holds_replica = True

@@ -178,6 +178,7 @@ class PipelineStrategy(Strategy):
         "the schedule already accumulates gradients over its --microbatches before one update; "
         "raise --microbatches (and --batch-size) instead of --grad-accum"
     )
+    balance_refusal = "the stages of a pipeline share one batch; not balanced here yet"
     compile_refusal = (
         "the stages run layers cut out of the model, not its forward; --compile would "
         "compile nothing (not supported here yet)"

@@ -50,6 +50,7 @@ class TensorStrategy(FSDPStrategy):
 
     collective = "tensor-parallel all-reduce"
     compile_refusal = "compiling DTensor-parallel layers is not supported here yet"
+    balance_refusal = "a tensor-parallel group shares one batch; not balanced here yet"
 
     @classmethod
     def checks_model(cls, cfg: RunConfig) -> bool:

@@ -79,3 +79,29 @@ def total_updates(cfg: Any, num_train: int, num_workers: int) -> int:
         cap = cfg.train.max_steps * w
     total = per_epoch * cfg.train.epochs
     return min(total, cap) if cap else total
+
+
+STALENESS_RULES = ("none", "share", "inverse", "share-inverse", "share-sqrt")
+
+
+def staleness_lr_factor(rule: str, staleness: int, num_workers: int) -> float:
+    """The factor of --lr for one asynchronous push (asp, ssp) of staleness ``staleness``.
+
+    - none: 1 (every push a full step at --lr);
+    - share: 1 / workers: a push carries one worker's batch, a share of what a synchronous
+      step of all workers would (so --lr means what it means under ddp);
+    - inverse: 1 / (1 + staleness) (Zhang et al., IJCAI 2016);
+    - share-inverse, share-sqrt: both, the staleness term 1 / (1 + s) or 1 / sqrt(1 + s).
+    """
+    share = 1.0 / num_workers
+    if rule == "none":
+        return 1.0
+    if rule == "share":
+        return share
+    if rule == "inverse":
+        return 1.0 / (1 + staleness)
+    if rule == "share-inverse":
+        return share / (1 + staleness)
+    if rule == "share-sqrt":
+        return share / (1 + staleness) ** 0.5
+    raise ValueError(f"staleness_rule: unknown rule {rule!r}")

@@ -126,6 +126,7 @@ class ShardServer:
         self.started = False  # server 0, bsp: the first step is dealt
         self.start_forced = False  # server 0, bsp: stop waiting for the first hellos
         self.hellos: set[int] = set()
+        self.released_lr_factor = 1.0  # bsp: the factor of --lr of the last step applied
         self.stop = threading.Event()
         self.save_lock = threading.Lock()
         self.checkpoint_dir = run_dir / "checkpoints" / f"server{index}"
@@ -390,7 +391,7 @@ class ShardServer:
             stale = rules.staleness(self.version, int(head[tp.VERSION_ON]))
             if self.mode == "bsp":
                 return self._bsp_push(worker, step, samples, grad, started)
-            self._apply(grad)
+            applied_factor = self._apply(grad, staleness=stale)
             self.clocks[worker] += 1
             committed = self.coordinator.commit(worker) > 0 if self.coordinator else False
             if self.coordinator is not None:
@@ -404,23 +405,32 @@ class ShardServer:
             if self.coordinator is not None:
                 self._deal(worker)
                 self._wait_lease(worker)
-            return self._reply(worker, started, staleness=stale, committed=committed)
+            return self._reply(worker, started, staleness=stale, committed=committed,
+                               lr_factor=applied_factor)  # fmt: skip
 
-    def _apply(self, grad: torch.Tensor) -> None:
+    def _apply(self, grad: torch.Tensor, staleness: int | None = None) -> float:
+        """One update; the factor of --lr it was applied with. ``staleness``: None under bsp
+        (a whole global step, fresh); under asp and ssp the push's, for the staleness rule's
+        learning rate (consistency.py)."""
         for fault in self.faults:  # kill:rank=R:step=S kills server rank R at its S-th update
             fault.before_step(self.version + 1, self.rank, self.attempt)
+        factor = 1.0
         if self.cfg.optim.lr_schedule != "constant" or self.cfg.optim.warmup_steps:
             factor = lr_factor(self.cfg.optim.lr_schedule, self.version, self.total_updates,
                                self.cfg.optim.warmup_steps)  # fmt: skip
-            for group in self.optimizer.param_groups:
-                group.setdefault("initial_lr", group["lr"])
-                group["lr"] = group["initial_lr"] * factor
+        if staleness is not None:
+            factor *= rules.staleness_lr_factor(self.cfg.ps.staleness_rule, staleness,
+                                                self.num_workers)  # fmt: skip
+        for group in self.optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+            group["lr"] = group["initial_lr"] * factor
         self.param.grad = grad
         self.optimizer.step()
         self.param.grad = None
         self.version += 1
         self.applied += 1
         self._maybe_checkpoint()
+        return factor
 
     def _bsp_push(self, worker: int, step: int, samples: int, grad: torch.Tensor,
                   started: float) -> list[torch.Tensor]:  # fmt: skip
@@ -439,7 +449,8 @@ class ShardServer:
         self.cond.wait_for(lambda: self.released_step >= step or worker not in self.live)
         if self.released_step < step:
             return self._dropped_reply()
-        return self._reply(worker, started, staleness=0, committed=True)
+        return self._reply(worker, started, staleness=0, committed=True,
+                           lr_factor=self.released_lr_factor)  # fmt: skip
 
     def _expected(self) -> set[int]:
         return {w for w in self.live if self.join_step.get(w, 0) <= self.barrier_step}
@@ -459,7 +470,7 @@ class ShardServer:
             append_event(self.run_dir, {"event": "worker_lost", "server": self.index,
                                         "worker": worker, "how": "barrier timeout"})  # fmt: skip
         if self.barrier_samples:
-            self._apply(self.barrier_sum / self.barrier_samples)
+            self.released_lr_factor = self._apply(self.barrier_sum / self.barrier_samples)
         if self.coordinator is not None:
             for worker in self.arrived:
                 self.coordinator.commit(worker)
@@ -487,8 +498,8 @@ class ShardServer:
             out.append(torch.full((self.cfg.samples_per_step,), -1, dtype=torch.int64))
         return out
 
-    def _reply(self, worker: int, started: float, *, staleness: int,
-               committed: bool) -> list[torch.Tensor]:  # fmt: skip
+    def _reply(self, worker: int, started: float, *, staleness: int, committed: bool,
+               lr_factor: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
         """Lock held: the reply to ``worker``; server 0's carries its next lease."""
         lease = self.leases.get(worker) if self.coordinator is not None else None
         end = self.coordinator is not None and lease is None
@@ -501,6 +512,7 @@ class ShardServer:
             lease_epoch=lease.epoch if lease else 0,
             lease_step=lease.step if lease else 0,
             committed=int(committed),
+            lr_ppm=round(lr_factor * 1e6),
         )
         out = [head, self.param.detach().clone()]
         if self.coordinator is not None:

@@ -38,7 +38,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-HEADER = 8
+HEADER = 9
 
 
 class Kind(IntEnum):
@@ -59,8 +59,11 @@ class Status(IntEnum):
 
 # Worker -> server header fields.
 KIND, STEP, VERSION_ON, NUM_SAMPLES, WORKER, ATTEMPT, CLOCK = range(7)
-# Server -> worker header fields.
-STATUS, VERSION, STALENESS, HELD_US, LEASE_LEN, LEASE_EPOCH, LEASE_STEP, COMMITTED = range(8)
+# Server -> worker header fields. LR_PPM: the factor of --lr the server applied this push
+# with (the schedule's, the staleness rule's), in millionths.
+STATUS, VERSION, STALENESS, HELD_US, LEASE_LEN, LEASE_EPOCH, LEASE_STEP, COMMITTED, LR_PPM = range(
+    9
+)
 
 
 def header(**fields: int) -> torch.Tensor:
@@ -78,7 +81,7 @@ def reply_header(**fields: int) -> torch.Tensor:
     names = {
         "status": STATUS, "version": VERSION, "staleness": STALENESS, "held_us": HELD_US,
         "lease_len": LEASE_LEN, "lease_epoch": LEASE_EPOCH, "lease_step": LEASE_STEP,
-        "committed": COMMITTED,
+        "committed": COMMITTED, "lr_ppm": LR_PPM,
     }  # fmt: skip
     t = torch.zeros(HEADER, dtype=torch.int64)
     for name, value in fields.items():

@@ -63,6 +63,10 @@ class ServerLost(RuntimeError):
 class PSWorkerStrategy(Strategy):
     collective = "parameter-server push and pull"
     holds_final_model = False  # the servers hold it; the launcher assembles and scores it
+    balance_refusal = (
+        "asynchronous workers never wait for each other (asp, ssp); bsp deals leases of "
+        "--batch-size each"
+    )
 
     # -- the launcher's checks, for the parameter server as a whole ----------------------
     @classmethod
@@ -272,6 +276,9 @@ class PSWorkerStrategy(Strategy):
             overlap=0.0,  # a blocking round trip
             extras={
                 "staleness": max((int(h[tp.STALENESS]) for h in heads.values()), default=0),
+                # The lr this push was applied with (server 0's: the servers' rules agree
+                # but for their own staleness), and the factor of --lr it is.
+                "lr_factor": int(heads[0][tp.LR_PPM]) / 1e6 if 0 in heads else None,
                 "version": self.versions[0],
                 # This worker's own clock (pushes so far, this attempt) and when it began
                 # computing the step and pushed it: enough to check ssp's bound from outside.
