@@ -445,10 +445,10 @@ class PsSection:
         metadata={"help": "ssp: how many steps a worker may run ahead of the slowest (required)"},
     )
     staleness_rule: str = field(
-        default="none",
+        default="inverse",
         metadata={
-            "help": "asp, ssp: the learning rate of each push: none (--lr), share (--lr / "
-            "workers), inverse (--lr / (1 + staleness)), share-inverse, share-sqrt"
+            "help": "asp, ssp: each push's learning rate: inverse (--lr / (1 + its "
+            "staleness)), share (--lr / workers) or none (--lr)"
         },
     )
     barrier_timeout_s: float = field(
@@ -466,6 +466,11 @@ class PsSection:
         # -1 is "not given" (TOML has no null); any other negative value is a mistake.
         _require(self.staleness >= -1, "staleness", f"must be >= 0, got {self.staleness}")
         _require(self.barrier_timeout_s > 0, "barrier_timeout_s", "must be > 0")
+        _require(
+            self.staleness_rule in ("inverse", "share", "none"),
+            "staleness_rule",
+            f"must be one of inverse, share, none; got {self.staleness_rule!r}",
+        )
         if self.consistency == "ssp":
             _require(
                 self.staleness >= 0,

@@ -235,5 +235,9 @@ def test_ssp_holds_a_worker_that_is_too_far_ahead_until_the_slowest_catches_up(t
     head, params, _ = second["v"]
     # a's reply carries version 3: it was held until b's update, not answered at version 2.
     assert int(head[tp.VERSION]) == 3 and int(head[tp.HELD_US]) > 0
-    assert params.tolist() == [-2.0, -2.0]  # 1 - 3 updates of lr 1 x gradient 1
+    # 1 - 3 updates of gradient 1, each at lr 1 / (1 + its staleness) (the default rule):
+    # a's two (staleness 0, and as its header says), b's (2).
+    stale_a = int(head[tp.STALENESS])
+    assert params.tolist() == pytest.approx([1 - 1 - 1 / (1 + stale_a) - 1 / 3] * 2)
+    assert int(head[tp.LR_PPM]) == round(1e6 / (1 + stale_a))
     store.set("ps/finish", "1")

@@ -81,27 +81,32 @@ def total_updates(cfg: Any, num_train: int, num_workers: int) -> int:
     return min(total, cap) if cap else total
 
 
-STALENESS_RULES = ("none", "share", "inverse", "share-inverse", "share-sqrt")
+STALENESS_RULES = ("inverse", "share", "none")
 
 
 def staleness_lr_factor(rule: str, staleness: int, num_workers: int) -> float:
-    """The factor of --lr for one asynchronous push (asp, ssp) of staleness ``staleness``.
+    """The factor of --lr for one asynchronous push (asp, ssp) of staleness ``staleness``
+    (updates the server applied between the pull it was computed on and its arrival).
 
-    - none: 1 (every push a full step at --lr);
+    - inverse (the default): 1 / (1 + staleness) (Zhang et al., IJCAI 2016): a gradient
+      computed on older parameters moves them less;
     - share: 1 / workers: a push carries one worker's batch, a share of what a synchronous
-      step of all workers would (so --lr means what it means under ddp);
-    - inverse: 1 / (1 + staleness) (Zhang et al., IJCAI 2016);
-    - share-inverse, share-sqrt: both, the staleness term 1 / (1 + s) or 1 / sqrt(1 + s).
+      step of all workers would;
+    - none: 1, every push a full step at --lr (what asp and ssp did before; kept so the
+      difference can be measured).
+
+    Measured on digits, 3 workers and 2 servers, 10 epochs, seeds 0-4, test accuracy:
+    SGD (lr 0.05, momentum 0.9) under none diverged (0.10 asp, 0.17 ssp(2) at seed 0); under
+    inverse asp 0.958-0.978, ssp(2) 0.969-0.981; under share asp 0.961-0.983, ssp(2)
+    0.956-0.986. Adam (lr 0.002): none 0.986 (seed 0), inverse asp 0.961-0.986 and ssp(2)
+    0.978-0.986, share 0.969-0.978. Inverse has the best worst case and keeps Adam's;
+    no separate momentum correction was needed: damping a stale push's step also damps the
+    momentum that asynchrony adds (Mitliagkas et al., 2016).
     """
-    share = 1.0 / num_workers
-    if rule == "none":
-        return 1.0
-    if rule == "share":
-        return share
     if rule == "inverse":
         return 1.0 / (1 + staleness)
-    if rule == "share-inverse":
-        return share / (1 + staleness)
-    if rule == "share-sqrt":
-        return share / (1 + staleness) ** 0.5
+    if rule == "share":
+        return 1.0 / num_workers
+    if rule == "none":
+        return 1.0
     raise ValueError(f"staleness_rule: unknown rule {rule!r}")
