@@ -40,18 +40,22 @@ def client(port: int) -> TCPStore:
 class Worker:
     """The protocol as the worker strategy (worker.py) speaks it, one message at a time."""
 
-    def __init__(self, port: int, worker: int, attempt: int = 0, token: str = TOKEN) -> None:
+    def __init__(
+        self, port: int, worker: int, attempt: int = 0, token: str = TOKEN, *, server: int = 0,
+        clock: int = 0, numel: int = 2,
+    ) -> None:  # fmt: skip
         store = client(port)
-        inc = int(store.get("ps/server0/incarnation"))
-        base = f"ps/server0.{inc}/joins"
+        inc = int(store.get(f"ps/server{server}/incarnation"))
+        base = f"ps/server{server}.{inc}/joins"
         n = store.add(f"{base}/count", 1)
-        store.set(f"{base}/{n}", join_record(token, f"ps/server0.{inc}", worker, attempt))
+        store.set(f"{base}/{n}", join_record(token, f"ps/server{server}.{inc}", worker, attempt))
         store.wait([f"{base}/{n}/answer"])
         answer = store.get(f"{base}/{n}/answer").decode()
         if answer != "ok":
             raise JoinRefused(answer)
-        self.worker, self.attempt = worker, attempt
-        self.link = tp.Link(client(port), f"ps/link/s0.{inc}/w{worker}.{attempt}",
+        self.worker, self.attempt, self.server = worker, attempt, server
+        self.clock, self.numel = clock, numel  # pushes so far (what a HELLO claims)
+        self.link = tp.Link(client(port), f"ps/link/s{server}.{inc}/w{worker}.{attempt}",
                             server_side=False, timeout_s=30)  # fmt: skip
         _WORKERS.append(self)
 
@@ -64,17 +68,19 @@ class Worker:
 
     def _reply(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         head = torch.zeros(tp.HEADER, dtype=torch.int64)
-        params, lease = torch.zeros(2), torch.zeros(BATCH, dtype=torch.int64)
-        self.link.recv(head, params, lease)
+        params, lease = torch.zeros(self.numel), torch.zeros(BATCH, dtype=torch.int64)
+        self.link.recv(head, params, *([lease] if self.server == 0 else []))
         return head, params, lease[: int(head[tp.LEASE_LEN])].tolist()
 
     def hello(self):
-        self.link.send(tp.header(kind=tp.Kind.HELLO, worker=self.worker, attempt=self.attempt))
+        self.link.send(tp.header(kind=tp.Kind.HELLO, worker=self.worker, attempt=self.attempt,
+                                 clock=self.clock))  # fmt: skip
         return self._reply()
 
     def push(self, step: int, grad: list[float], num_samples: int):
+        self.clock += 1
         head = tp.header(kind=tp.Kind.PUSH, step=step, num_samples=num_samples,
-                         worker=self.worker, attempt=self.attempt)  # fmt: skip
+                         worker=self.worker, attempt=self.attempt, clock=self.clock)  # fmt: skip
         self.link.send(head)
         self.link.send(torch.tensor(grad), first_tag=1)
         return self._reply()
@@ -112,13 +118,16 @@ def in_thread(fn, *args):
 
 
 def start_server(
-    tmp_path, consistency: str = "bsp", staleness: int = -1, num_train: int = 8
-) -> tuple[TCPStore, ShardServer]:
-    """A server 0 of 2 workers over 2 parameters (both 1.0, SGD lr 1) in a thread."""
+    tmp_path, consistency: str = "bsp", staleness: int = -1, num_train: int = 8, *,
+    index: int = 0, num_servers: int = 1, attempt: int = 0,
+) -> tuple[TCPStore, ShardServer]:  # fmt: skip
+    """Server ``index`` of ``num_servers``, of 2 workers over 2 parameters (both 1.0, SGD
+    lr 1), in a thread."""
     (tmp_path / "logs").mkdir()
     cfg = from_dict({
         "train": {"strategy": "ps", "batch_size": BATCH, "epochs": 1},
-        "ps": {"consistency": consistency, "barrier_timeout_s": 1.0, "staleness": staleness},
+        "ps": {"consistency": consistency, "barrier_timeout_s": 1.0, "staleness": staleness,
+               "num_servers": num_servers},
         "launch": {"timeout_s": 30.0},
     })  # fmt: skip
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -126,13 +135,14 @@ def start_server(
     with torch.no_grad():
         model.weight.fill_(1.0)
     server = ShardServer(
-        cfg, model=model, num_train=num_train, shard_sizes=None, index=0, num_workers=2, attempt=0,
+        cfg, model=model, num_train=num_train, shard_sizes=None, index=index, num_workers=2,
+        attempt=attempt,
         build_optimizer=lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.0),
         store=client(store.port), new_store=lambda: client(store.port), run_dir=tmp_path,
         token=TOKEN,
     )  # fmt: skip
     threading.Thread(target=server.serve, daemon=True, name="serve").start()
-    store.wait(["ps/server0/incarnation"])
+    store.wait([f"ps/server{index}/incarnation"])
     _SERVERS.append((store, server))
     return store, server
 
@@ -240,4 +250,26 @@ def test_ssp_holds_a_worker_that_is_too_far_ahead_until_the_slowest_catches_up(t
     stale_a = int(head[tp.STALENESS])
     assert params.tolist() == pytest.approx([1 - 1 - 1 / (1 + stale_a) - 1 / 3] * 2)
     assert int(head[tp.LR_PPM]) == round(1e6 / (1 + stale_a))
+    store.set("ps/finish", "1")
+
+
+def test_a_restarted_server_holds_rejoining_workers_by_their_own_clocks(tmp_path):
+    """Every server holds a worker by the same clock, the one the worker carries. A
+    restarted server 1 that put rejoining workers level with each other (as it once did)
+    would let a through here while server 0 still holds it by its true lead: two servers
+    can then each hold a different worker waiting for the other, and the run hangs."""
+    store, server = start_server(tmp_path, "ssp", staleness=1, index=1, num_servers=2,
+                                 attempt=1)  # fmt: skip
+    a = Worker(store.port, 0, server=1, clock=4, numel=1)  # a has pushed 4 times, b 3
+    b = Worker(store.port, 1, server=1, clock=3, numel=1)
+    a.hello(), b.hello()
+    wait_for(server, lambda s: s.clocks == {0: 4, 1: 3})
+    held, reply = in_thread(a.push, 1, [1.0], BATCH)  # a would be 2 ahead of b: held
+    wait_for(server, lambda s: s.clocks.get(0) == 5)
+    head_b, _, _ = b.push(1, [1.0], BATCH)
+    assert int(head_b[tp.REPLY_CLOCK]) == 4
+    held.join(30)
+    head, _, _ = reply["v"]
+    # a's reply was built after b's update: it was held, not answered at version 1.
+    assert int(head[tp.VERSION]) == 2 and int(head[tp.REPLY_CLOCK]) == 5
     store.set("ps/finish", "1")

@@ -10,6 +10,7 @@ import pytest
 from scaletrain.config import RunConfig, from_dict
 from scaletrain.data.partition import epoch_order, rank_indices, step_bounds
 from scaletrain.strategies.param_server.consistency import (
+    join_clock,
     may_proceed,
     shard_ranges,
     split_tensors,
@@ -36,6 +37,18 @@ def test_bounded_staleness_rule():
     assert may_proceed(7, [], staleness=0)  # alone
     assert staleness(10, 7) == 3 and staleness(3, 7) == 0
     assert staleness_histogram([2, 0, 2, 1]) == {"0": 1, "1": 1, "2": 2}
+
+
+def test_a_joiner_keeps_its_clock_and_a_new_worker_starts_level_with_the_slowest():
+    assert join_clock(9, [4, 12]) == 9  # rejoining a restarted server: as far ahead as it was
+    assert join_clock(-1, [4, 12]) == 4  # a new (or restarted) worker: level with the slowest
+    assert join_clock(-1, []) == 0
+    # Two servers that hold the workers by the same clocks never hold two workers each for
+    # the other: A held by C on one and C held by A on the other needs A - C > S and
+    # C - A > S at once.
+    clocks = {"A": join_clock(7, []), "C": join_clock(4, [7])}
+    held = {w for w, c in clocks.items() if not may_proceed(c + 1, clocks.values(), 2)}
+    assert held == {"A"}
 
 
 def coordinator(lockstep: bool, **kw) -> DataCoordinator:

@@ -56,6 +56,22 @@ def may_proceed(clock: int, live_clocks: Iterable[int], staleness: int | None) -
     return clock - slowest <= staleness
 
 
+def join_clock(claimed: int, live_clocks: Iterable[int]) -> int:
+    """The ssp clock a server holds a joining worker by.
+
+    Every server must hold a worker by the same clock: its pushes in the job, which it
+    carries in every message. Servers that disagree can each hold a different worker, each
+    waiting for the other: with two servers, server 0 holds A until C catches up while
+    server 1 holds C until A does, and neither ever replies. (That happened when a
+    restarted server put every rejoining worker level with the slowest it knew.) A worker
+    that has a clock (``claimed >= 0``: it joined server 0 before, and now joins the others
+    or a restarted one) keeps it; a new one starts level with the slowest live worker, so
+    nobody waits for it to catch up, and learns its clock from server 0's reply."""
+    if claimed >= 0:
+        return claimed
+    return min(live_clocks, default=0)
+
+
 def staleness(server_version: int, computed_on: int) -> int:
     """Updates the server applied between the pull a gradient was computed on and its push."""
     return max(0, server_version - computed_on)

@@ -9,7 +9,8 @@ reply carries are copied under it and sent after it is released.
 
 - asp: a push is applied on arrival; the reply carries the latest parameters.
 - ssp(s): as asp, but the reply waits until its worker is at most s steps ahead of the
-  slowest live worker (consistency.may_proceed).
+  slowest live worker (consistency.may_proceed), by the clocks the workers carry in their
+  messages, so every server holds a worker by the same clock (consistency.join_clock).
 - bsp: pushes of one global step are summed weighted by samples; when every live worker of
   that step has pushed (or was dropped: its link broke, or it stayed silent for
   --barrier-timeout-s after the step's first push) the weighted mean is applied once and
@@ -277,8 +278,7 @@ class ShardServer:
             if worker in self.live:  # a rejoin after being dropped: its old lease is void
                 self._drop(worker)
             others = [self.clocks[w] for w in self.live]
-            # A newcomer starts level with the slowest, so nobody waits for it to catch up.
-            self.clocks[worker] = min(others, default=0)
+            self.clocks[worker] = rules.join_clock(int(head[tp.CLOCK]), others)
             self.live.add(worker)
             self.hellos.add(worker)
             if self.coordinator is None:
@@ -392,7 +392,7 @@ class ShardServer:
             if self.mode == "bsp":
                 return self._bsp_push(worker, step, samples, grad, started)
             applied_factor = self._apply(grad, staleness=stale)
-            self.clocks[worker] += 1
+            self.clocks[worker] = int(head[tp.CLOCK])  # the worker's count, as every server's
             committed = self.coordinator.commit(worker) > 0 if self.coordinator else False
             if self.coordinator is not None:
                 self.leases.pop(worker, None)
@@ -513,6 +513,7 @@ class ShardServer:
             lease_step=lease.step if lease else 0,
             committed=int(committed),
             lr_ppm=round(lr_factor * 1e6),
+            clock=self.clocks.get(worker, 0),
         )
         out = [head, self.param.detach().clone()]
         if self.coordinator is not None:

@@ -38,7 +38,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-HEADER = 9
+HEADER = 10
 
 
 class Kind(IntEnum):
@@ -57,13 +57,15 @@ class Status(IntEnum):
     END = 2  # server 0: no more data, the run is over
 
 
-# Worker -> server header fields.
+# Worker -> server header fields. CLOCK: the worker's ssp clock, its pushes in the job
+# (including this one); in a HELLO the clock it has, or -1 when it has none yet (see
+# consistency.join_clock).
 KIND, STEP, VERSION_ON, NUM_SAMPLES, WORKER, ATTEMPT, CLOCK = range(7)
 # Server -> worker header fields. LR_PPM: the factor of --lr the server applied this push
-# with (the schedule's, the staleness rule's), in millionths.
-STATUS, VERSION, STALENESS, HELD_US, LEASE_LEN, LEASE_EPOCH, LEASE_STEP, COMMITTED, LR_PPM = range(
-    9
-)
+# with (the schedule's, the staleness rule's), in millionths. REPLY_CLOCK: the clock the
+# server holds the worker by (a new worker learns its own from server 0's reply to HELLO).
+(STATUS, VERSION, STALENESS, HELD_US, LEASE_LEN, LEASE_EPOCH, LEASE_STEP, COMMITTED, LR_PPM,
+ REPLY_CLOCK) = range(10)  # fmt: skip
 
 
 def header(**fields: int) -> torch.Tensor:
@@ -81,7 +83,7 @@ def reply_header(**fields: int) -> torch.Tensor:
     names = {
         "status": STATUS, "version": VERSION, "staleness": STALENESS, "held_us": HELD_US,
         "lease_len": LEASE_LEN, "lease_epoch": LEASE_EPOCH, "lease_step": LEASE_STEP,
-        "committed": COMMITTED, "lr_ppm": LR_PPM,
+        "committed": COMMITTED, "lr_ppm": LR_PPM, "clock": REPLY_CLOCK,
     }  # fmt: skip
     t = torch.zeros(HEADER, dtype=torch.int64)
     for name, value in fields.items():

@@ -120,7 +120,10 @@ class PSWorkerStrategy(Strategy):
         self.flat = torch.zeros(self.numel, dtype=self.dtype)
         self.lease: tuple[int, int, list[int]] | None = None  # (epoch, step, indices); None: end
         self.joined = False
-        self.pushes = 0
+        self.pushes = 0  # this attempt's
+        # The ssp clock: pushes in the job, as every server holds this worker by it (None
+        # until server 0's first reply gives it: a new worker starts level with the slowest).
+        self.clock: int | None = None
 
     def new_store(self) -> Any:
         """A store connection per link (see server.py)."""
@@ -182,7 +185,8 @@ class PSWorkerStrategy(Strategy):
             link = self.links.get(k) or self._link(k)
             try:
                 link.send(tp.header(kind=tp.Kind.HELLO, step=step, worker=self.worker,
-                                    attempt=self.attempt))  # fmt: skip
+                                    attempt=self.attempt,
+                                    clock=-1 if self.clock is None else self.clock))  # fmt: skip
                 return self._receive(k)
             except RuntimeError as e:
                 log.warning("server %d lost during hello: %s", k, str(e).splitlines()[0][:160])
@@ -211,6 +215,8 @@ class PSWorkerStrategy(Strategy):
         head = bufs[0]
         self.versions[k] = int(head[tp.VERSION])
         if k == 0:
+            if self.clock is None:
+                self.clock = int(head[tp.REPLY_CLOCK])
             if int(head[tp.STATUS]) == tp.Status.END:
                 self.lease = None
             elif int(head[tp.STATUS]) == tp.Status.OK:
@@ -247,7 +253,9 @@ class PSWorkerStrategy(Strategy):
     def train_step(self, batch: Batch) -> StepResult:
         assert self.lease is not None
         _, step, _ = self.lease
+        assert self.clock is not None  # set by server 0's reply to the first hello
         self.pushes += 1
+        self.clock += 1  # this push made; a server that loses it learns the clock on rejoin
         t0, started_at = time.perf_counter(), time.time()
         grad, loss, clipped = self._gradient(batch)
         compute_s = time.perf_counter() - t0
@@ -303,7 +311,8 @@ class PSWorkerStrategy(Strategy):
         """Push every server its gradient slice and take every reply, all at once. Returns
         the reply headers and the servers lost on the way (their slice was not applied)."""
         head = tp.header(kind=tp.Kind.PUSH, step=step, num_samples=num_samples,
-                         worker=self.worker, attempt=self.attempt)  # fmt: skip
+                         worker=self.worker, attempt=self.attempt,
+                         clock=self.clock or 0)  # fmt: skip
         pending: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
         lost: list[int] = []
         for k, (lo, hi) in enumerate(self.ranges):
