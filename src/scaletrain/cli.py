@@ -48,7 +48,10 @@ def add_config_flags(
         options: dict[str, Any] = {
             "dest": name,
             "default": argparse.SUPPRESS,
-            "help": f"{f.metadata.get('help', '')} ({where}, default {f.default!r})",
+            # argparse formats help with %: a literal one (as in "50%") must be doubled.
+            "help": f"{f.metadata.get('help', '')} ({where}, default {f.default!r})".replace(
+                "%", "%%"
+            ),
         }
         if f.type == "bool":
             options["action"] = argparse.BooleanOptionalAction

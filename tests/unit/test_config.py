@@ -79,3 +79,17 @@ def test_hash_ignores_output_directory():
     b = with_overrides(RunConfig(), {"out": "/tmp/b"})
     c = with_overrides(RunConfig(), {"out": "/tmp/a", "seed": 1})
     assert a.hash() == b.hash() != c.hash()
+
+
+@pytest.mark.parametrize("command", ["run", "demo", "bench", "predict", "report"])
+def test_every_command_prints_its_help(command, capsys):
+    """--help lists every flag with its help text (one with a literal % once crashed it)."""
+    from scaletrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out
+    if command == "run":
+        assert "at 50%" in " ".join(out.split()) and "--balance-every" in out
