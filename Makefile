@@ -52,6 +52,8 @@ bench: install
 	$(BIN)/python benchmarks/activation_memory.py
 	$(BIN)/python benchmarks/compile_speed.py
 	$(BIN)/python benchmarks/checkpoint_interval.py
+	$(BIN)/python benchmarks/balance_speed.py
+	$(BIN)/python benchmarks/staleness_rule.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -7,6 +7,10 @@ its pushes: --eval-every; "-" when it never got there).
 
 Floor: under inverse every run reaches 95%.
 
+Measured (2 cores, 15 epochs, seed 0): SGD asp 97.8% (95% at 2.2 s) under inverse, 10.0%
+(diverged) under none; ssp(2) 97.8% (2.1 s) and 10.0%; Adam asp 97.8% (1.7 s) and 98.1%
+(1.8 s), ssp(2) 98.6% (2.3 s) and 98.1% (1.5 s). Over seeds 0-4 see consistency.py.
+
     python benchmarks/staleness_rule.py [--epochs 15] [--seed 0]
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import shutil
 
@@ -96,3 +97,28 @@ def test_report_refuses_a_directory_without_summary(tmp_path):
     assert result.returncode == 2
     assert f"{tmp_path / 'half'} has no summary.json" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_report_shows_balance_shares_and_each_pushs_learning_rate(tmp_path):
+    """A balanced ddp run with a slow rank, and an asp run under the staleness rule: the page
+    plots each rank's share and the effective lr of every applied push."""
+    common = ["--dataset", "digits", "--num-threads", "1", "--batch-size", "16"]
+    balanced, ps = tmp_path / "balanced", tmp_path / "ps"
+    result = run_cli("run", *common, "--nproc-per-node", "2", "--max-steps", "12",
+                     "--inject", "slow:rank=1:factor=3", "--balance", "speed",
+                     "--balance-every", "2", "--out", str(balanced))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    result = run_cli("run", *common, "--strategy", "ps", "--nproc-per-node", "3",
+                     "--num-servers", "1", "--consistency", "asp", "--max-steps", "6",
+                     "--out", str(ps))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "report.html"
+    result = run_cli("report", str(balanced), str(ps), "--out", str(out), timeout=120)
+    assert result.returncode == 0, result.stderr
+    page = out.read_text()
+    assert "<h2>Balance</h2>" in page and "<h2>Staleness</h2>" in page
+    assert all(i.width > 300 for i in embedded_images(page))
+    records = [json.loads(line) for line in (ps / "metrics.jsonl").read_text().splitlines()]
+    applied = [r for r in records if r["committed"]]
+    # Each push's lr is --lr (0.05, the default) times its factor: 1 / (1 + staleness).
+    assert applied and all(r["lr"] == pytest.approx(0.05 / (1 + r["staleness"])) for r in applied)

@@ -14,7 +14,9 @@ anywhere without the run directories. Per page:
 - the job's wall time split into kept steps (goodput) and each kind of lost time;
 - with runs of two or more world sizes: throughput against workers, beside the ideal
   (the smallest run's rate per worker, times the workers);
-- staleness histograms, for runs whose summary.json has one (parameter-server runs);
+- under --balance speed: each rank's share of a step's samples, by step;
+- staleness histograms, for runs whose summary.json has one (parameter-server runs), and
+  the effective learning rate each applied push was given;
 - for runs with failures: every rank's steps against wall-clock time, with each death and
   the moment training was running again marked.
 
@@ -198,16 +200,44 @@ def plot_scaling(runs: list[Run]) -> str | None:
     return png(fig)
 
 
+def plot_shares(runs: list[Run]) -> str | None:
+    """--balance speed: each rank's share of a step's samples, by step."""
+    balanced = [run for run in runs if any(r.get("share") is not None for r in run.records)]
+    if not balanced:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    for run in balanced:
+        for rank in sorted({r["rank"] for r in run.records}):
+            mine = sorted((r["step"], r["share"]) for r in run.records
+                          if r["rank"] == rank and r.get("share") is not None)  # fmt: skip
+            ax.step([m[0] for m in mine], [m[1] for m in mine], where="post",
+                    label=f"{run.dir.name} rank {rank}")  # fmt: skip
+    ax.set(xlabel="step", ylabel="share of the step's samples", ylim=(0, None),
+           title="--balance speed: each rank's share")  # fmt: skip
+    ax.legend(fontsize=7, ncol=4)
+    return png(fig)
+
+
 def plot_staleness(runs: list[Run]) -> str | None:
+    """Parameter-server runs: the histogram of applied gradients by staleness, and the
+    effective learning rate of each applied push (--lr times its factor: the schedule's and
+    the staleness rule's), by wall time."""
     with_hist = [r for r in runs if r.summary.get("staleness_histogram")]
     if not with_hist:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (hist_ax, lr_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
     for run in with_hist:
         hist = {int(k): v for k, v in run.summary["staleness_histogram"].items()}
-        ax.bar(list(hist), list(hist.values()), alpha=0.6, label=run.label)
-    ax.set(xlabel="staleness (versions)", ylabel="applied gradients", title="staleness")
-    ax.legend(fontsize=8)
+        hist_ax.bar(list(hist), list(hist.values()), alpha=0.6, label=run.label)
+        pushes = [r for r in run.records if r.get("committed") and r.get("lr") is not None]
+        if pushes:
+            start = min(r["unix_time"] for r in run.records)
+            lr_ax.plot([r["unix_time"] - start for r in pushes], [r["lr"] for r in pushes], ".",
+                       markersize=3, label=run.label)  # fmt: skip
+    hist_ax.set(xlabel="staleness (versions)", ylabel="applied gradients", title="staleness")
+    hist_ax.legend(fontsize=8)
+    lr_ax.set(xlabel="wall time (s)", ylabel="learning rate applied",
+              title="the effective lr of each applied push")  # fmt: skip
     return png(fig)
 
 
@@ -272,6 +302,7 @@ def build_report(run_dirs: list[Path]) -> str:
     image("Step time breakdown", plot_breakdown(runs))
     image("The job's time", plot_job_time(runs))
     image("Scaling", plot_scaling(runs))
+    image("Balance", plot_shares(runs))
     image("Staleness", plot_staleness(runs))
     for run in runs:
         if run.summary.get("recoveries") and run.records:

@@ -273,6 +273,7 @@ class PSWorkerStrategy(Strategy):
             next_step = self.lease[1] if self.lease else 0
             for k in lost:  # a restarted server: join its new incarnation
                 self._hello(k, next_step)
+        factor = int(heads[0][tp.LR_PPM]) / 1e6 if 0 in heads else None
         return StepResult(
             loss=loss if loss is not None else torch.zeros(()),
             compute_s=compute_s,
@@ -286,7 +287,8 @@ class PSWorkerStrategy(Strategy):
                 "staleness": max((int(h[tp.STALENESS]) for h in heads.values()), default=0),
                 # The lr this push was applied with (server 0's: the servers' rules agree
                 # but for their own staleness), and the factor of --lr it is.
-                "lr_factor": int(heads[0][tp.LR_PPM]) / 1e6 if 0 in heads else None,
+                "lr_factor": factor,
+                "lr": None if factor is None else self.cfg.optim.lr * factor,
                 "version": self.versions[0],
                 # This worker's own clock (pushes so far, this attempt) and when it began
                 # computing the step and pushed it: enough to check ssp's bound from outside.
