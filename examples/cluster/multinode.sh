@@ -3,8 +3,8 @@
 # torchrun's flags, under the same names. Node 0 hosts the rendezvous at HEAD_ADDR:29500; every
 # node must reach it and each other on NETWORK_IFACE (a private network: see docs/cluster.md).
 #
-#   OUT=/shared/runs/job1 HEAD_ADDR=10.0.0.1 NODE_RANK=0 NETWORK_IFACE=eth0 bash multinode.sh
-#   OUT=/shared/runs/job1 HEAD_ADDR=10.0.0.1 NODE_RANK=1 NETWORK_IFACE=eth0 bash multinode.sh
+#   OUT=/mnt/nfs/runs/job1 HEAD_ADDR=10.0.0.1 NODE_RANK=0 NETWORK_IFACE=eth0 bash multinode.sh
+#   OUT=/mnt/nfs/runs/job1 HEAD_ADDR=10.0.0.1 NODE_RANK=1 NETWORK_IFACE=eth0 bash multinode.sh
 #
 # OUT is one directory for all machines, on a file system they share (restarts read its
 # checkpoints on every machine).
