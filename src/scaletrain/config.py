@@ -429,6 +429,10 @@ class ParallelSection:
 CONSISTENCY_MODES = ("bsp", "asp", "ssp")
 
 
+# The parameter server's rules for an asynchronous push's lr (consistency.staleness_lr_factor).
+STALENESS_RULES = ("inverse", "share", "none")
+
+
 @dataclass(kw_only=True)
 class PsSection:
     """Parameter server (--strategy ps): K of the world's processes serve the parameters."""
@@ -467,9 +471,9 @@ class PsSection:
         _require(self.staleness >= -1, "staleness", f"must be >= 0, got {self.staleness}")
         _require(self.barrier_timeout_s > 0, "barrier_timeout_s", "must be > 0")
         _require(
-            self.staleness_rule in ("inverse", "share", "none"),
+            self.staleness_rule in STALENESS_RULES,
             "staleness_rule",
-            f"must be one of inverse, share, none; got {self.staleness_rule!r}",
+            f"must be one of {', '.join(STALENESS_RULES)}; got {self.staleness_rule!r}",
         )
         if self.consistency == "ssp":
             _require(

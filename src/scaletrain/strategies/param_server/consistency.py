@@ -97,9 +97,6 @@ def total_updates(cfg: Any, num_train: int, num_workers: int) -> int:
     return min(total, cap) if cap else total
 
 
-STALENESS_RULES = ("inverse", "share", "none")
-
-
 def staleness_lr_factor(rule: str, staleness: int, num_workers: int) -> float:
     """The factor of --lr for one asynchronous push (asp, ssp) of staleness ``staleness``
     (updates the server applied between the pull it was computed on and its arrival).
