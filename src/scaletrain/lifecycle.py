@@ -171,10 +171,10 @@ class GroupWorld(World):
             )
         if int(bounds[0]) != -int(bounds[1]):
             raise ValueError(
-                f"rank {ctx.rank} sees checkpoints up to step {newest} in {directory} (-1: "
-                f"none), another rank up to step {int(bounds[0])}: every node must use the same "
-                "--out on a shared file system (NFS, Lustre, a ReadWriteMany volume) to resume "
-                "across nodes"
+                f"rank {ctx.rank} sees checkpoints up to step {newest} in {directory}, while "
+                f"the ranks' newest range from step {-int(bounds[1])} to {int(bounds[0])} (-1: "
+                "none): every node must use the same --out on a shared file system (NFS, "
+                "Lustre, a ReadWriteMany volume) to resume across nodes"
             )
 
     def resume(self, trainer: Trainer) -> Progress | None:

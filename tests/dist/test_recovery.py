@@ -275,3 +275,27 @@ def test_nodes_without_a_shared_run_directory_are_told_so_on_restart(tmp_path):
     assert "same --out on a shared file system" in outputs[0][1], outputs[0][1]
     assert "Traceback" not in outputs[0][1]
     assert not (outs[0] / "summary.json").exists()
+
+
+
+def test_a_node_whose_peer_ended_the_job_reports_its_own_failure_not_the_rendezvous(tmp_path):
+    """torch's agents can count restarts left differently: a restart that a node makes because
+    a peer waits to rejoin is not counted. Made certain here: rank 0 hangs before step 5 (so
+    its agent sees node 1 waiting before any failure of its own) and rank 1 dies there. The
+    restarted world fails on both nodes (each has its own --out); node 1, out of restarts,
+    ends the job and closes the rendezvous, which node 0's next restart finds closed. Node 0
+    must still say why its workers failed, not blame the rendezvous."""
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1",
+            "--checkpoint-every", "2", "--max-steps", "8", "--hang-timeout-s", "200",
+            "--inject", "kill:rank=1:step=5,hang:rank=0:step=5", "--timeout-s", "60"]  # fmt: skip
+    outs = [tmp_path / f"node{i}" for i in range(2)]
+    nodes = start_local_nodes(2, args, "ended", [["--out", str(o)] for o in outs])
+    outputs = [p.communicate(timeout=240) for p in nodes]
+    assert [p.returncode for p in nodes] == [1, 1], outputs
+    node0 = outputs[0][1]
+    assert "ended by another node's agent" in node0, node0
+    assert "same --out on a shared file system" in node0, node0
+    assert "rendezvous at" not in node0 and "Traceback" not in node0, node0
+    assert "same --out on a shared file system" in outputs[1][1], outputs[1][1]
+    for out in outs:
+        assert_no_orphans(out)

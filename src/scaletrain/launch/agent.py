@@ -251,12 +251,34 @@ def preemption_signals(run_dir: Path) -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def ended_elsewhere(run_dir: Path, endpoint: str) -> RuntimeError:
+    """This node's agent restarted its workers and found the rendezvous closed: another
+    node's agent ended the job (its restarts ran out, or it was stopped). The agents' counts
+    of restarts left can differ: torch does not count a restart that a node makes because
+    another node waits to rejoin, so after a death, a node that saw its peer waiting before
+    its own workers failed keeps a restart its peer has spent, and its next restart meets a
+    closed rendezvous. The reason to report is the failure this node restarted after."""
+    from scaletrain.metrics.logs import attempt_failures, describe_failure
+
+    failures = attempt_failures()
+    if not failures:  # e.g. a node that joins after the job ended
+        return LaunchFailed(
+            f"the rendezvous at {endpoint} is closed: the job has ended (another node's agent "
+            "finished it, ran out of restarts or was stopped: its output says which)"
+        )
+    return WorkerFailed(
+        "the job was ended by another node's agent (out of restarts, or stopped: its output "
+        "says which) while this node was restarting its workers after this failure: "
+        + describe_failure(failures, run_dir)
+    )
+
+
 def run_restart(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:
     """This node's agent for the whole run; summary.json's contents (empty when rank 0 ran on
     another node)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
     from scaletrain.metrics.logs import describe_failure
@@ -281,6 +303,8 @@ def run_restart(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str,
                 release()
     except ChildFailedError as e:
         raise WorkerFailed(describe_failure(e.failures, run_dir)) from None
+    except RendezvousClosedError:
+        raise ended_elsewhere(run_dir, launch_config.rdzv_endpoint) from None
     except RendezvousError as e:
         raise LaunchFailed(
             f"rendezvous at {launch_config.rdzv_endpoint} failed: {e}. Check that every node "

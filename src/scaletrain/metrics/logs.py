@@ -59,6 +59,10 @@ _torch_post_init = ProcessFailure.__post_init__
 # them (take_exit_codes): the agent logs only its first failure, and names a survivor it
 # SIGTERMed as readily as the rank that died.
 _EXIT_CODES: dict[str, int] = {}
+# Error file -> the failure the agent saw in this node's current attempt (RunLogsSpecs.reify
+# forgets them when the next attempt starts): when the agent restarts the workers and then
+# finds the rendezvous closed by another node, no ChildFailedError carries them.
+_ATTEMPT_FAILURES: dict[str, ProcessFailure] = {}
 
 
 def take_exit_codes() -> dict[str, int]:
@@ -68,8 +72,16 @@ def take_exit_codes() -> dict[str, int]:
     return codes
 
 
+def attempt_failures() -> dict[int, ProcessFailure]:
+    """The failures of this node's workers in its current attempt, by global rank (the error
+    file names it), as describe_failure takes them."""
+    stems = {path: Path(path).stem.removeprefix("rank") for path in _ATTEMPT_FAILURES}
+    return {int(stem): _ATTEMPT_FAILURES[path] for path, stem in stems.items() if stem.isdigit()}
+
+
 def _tolerant_post_init(self: ProcessFailure) -> None:
     _EXIT_CODES[str(self.error_file)] = self.exitcode
+    _ATTEMPT_FAILURES[str(self.error_file)] = self
     try:
         _torch_post_init(self)
     except Exception as e:  # torch re-raises whatever json.load raised
@@ -98,6 +110,7 @@ class RunLogsSpecs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         errors = self._logs / "errors"
         errors.mkdir(parents=True, exist_ok=True)
+        _ATTEMPT_FAILURES.clear()  # a new attempt: the last one's failures are handled
         dest = LogsDest()
         for local_rank, env in envs.items():
             error_file = errors / f"rank{env['RANK']}.json"
