@@ -4,7 +4,8 @@ auto with --mtbf-s: fault/interval.py, from the measured save cost and step time
 over the ranks), and when asked: at a preemption and after the last step.
 
 Rank 0 writes the checkpoint (or, for sharded state, every rank its shards through DCP);
-every rank writes its own RNG states and per-rank strategy state beside it. summary.json's
+every rank writes its own RNG states and per-rank strategy state beside it. A synchronous save
+returns on every rank once all of it is on disk. summary.json's
 ``checkpointing`` says what was chosen and what it cost.
 """
 
@@ -172,7 +173,20 @@ class Checkpointing(NoCheckpoints):
             self.writer.submit(write)
         else:
             write()
+            self._written_everywhere()
         return blocked + time.perf_counter() - started
+
+    def _written_everywhere(self) -> None:
+        """A synchronous save returns once every rank's part is on disk, rank 0's checkpoint
+        included: no rank starts the next step before. Otherwise a rank with only its small
+        RNG file to write could go on and die while rank 0 still wrote, and the agent would
+        stop rank 0 before the checkpoint every survivor had passed was there (the restart
+        then went back one checkpoint further). One all-reduce of one number per save."""
+        t = self.trainer
+        if t.ctx.world_size > 1:
+            t.watchdog.enter(t.progress.step, "checkpoint written: waiting for every rank",
+                             "all-reduce")  # fmt: skip
+            dist.all_reduce(torch.zeros(1, device=t.ctx.device))
 
     def wait(self) -> float:
         """Block until a background write is on disk; the seconds that took."""

@@ -70,6 +70,23 @@ def test_killed_worker_restarts_from_checkpoint_with_identical_weights(
     assert_no_orphans(killed)
 
 
+
+def test_a_death_right_after_a_checkpoint_step_resumes_from_that_checkpoint(tmp_path):
+    """Rank 0 is slowed (it sleeps after each step's compute, before it saves) and rank 1
+    dies just before the step after a checkpoint. A rank passes a synchronous save only once
+    rank 0's checkpoint is on disk, so the restart resumes from that checkpoint: before, rank
+    1 went on with only its RNG file written and the agent stopped rank 0 mid-save (the
+    stress runs' draw ddp-w4-b8x1-n70-ck1-kill1at4 resumed from step 2, not 3)."""
+    out = tmp_path / "run"
+    result = run_cli("run", "--nproc-per-node", "2", "--max-steps", "8", "--deterministic",
+                     "--checkpoint-every", "3", "--max-restarts", "1", "--inject",
+                     "kill:rank=1:step=7,slow:rank=0:factor=50", "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [recovery] = summary_of(out)["recoveries"]
+    assert recovery["failed_step"] == 7 and recovery["rank"] == 1, recovery
+    assert recovery["step"] == 6, recovery
+    assert_no_orphans(out)
+
 def test_an_empty_error_file_is_a_death_like_any_other_and_the_job_restarts(tmp_path):
     """torch's agent raised on an empty error file (a survivor SIGTERMed while writing it)
     and the launcher once reported that as bad input (exit 2): now it is a restart."""
