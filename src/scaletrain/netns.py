@@ -133,6 +133,10 @@ class NetworkLab:
         self.switch = f"{self.name}-sw"
         self.hosts = [Host(i, f"{self.name}-h{i}", f"{SUBNET}.{i + 1}") for i in range(num_hosts)]
         self._created: list[str] = []
+        # (host, process) of everything popen started: killed by handle too, since a process
+        # may not have entered its namespace yet (``ip netns exec`` still starting), where
+        # ``ip netns pids`` cannot see it and deleting the namespace makes it fail instead.
+        self._started: list[tuple[int, subprocess.Popen[Any]]] = []
 
     def __enter__(self) -> NetworkLab:
         reason = unavailable_reason()
@@ -173,8 +177,24 @@ class NetworkLab:
                 _run("tc", "-n", host.netns, "qdisc", "add", "dev", host.ifname, "root", *shape)
                 _run("tc", "-n", sw, "qdisc", "add", "dev", port, "root", *shape)
 
+    def _kill(self, hosts: list[int]) -> list[int]:
+        """SIGKILL at once what popen started on ``hosts`` and every process inside their
+        namespaces, then reap what popen started; the pids killed."""
+        procs = [proc for h, proc in self._started if h in hosts and proc.poll() is None]
+        for proc in procs:
+            proc.kill()
+        killed = [proc.pid for proc in procs]
+        for host in hosts:
+            killed += _kill_all(self.hosts[host].netns)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        return sorted(set(killed))
+
     def close(self) -> None:
         """Kill what runs inside and delete every namespace (and with them every link)."""
+        self._kill([host.index for host in self.hosts])
+        self._started.clear()
         for netns in reversed(self._created):
             _kill_and_delete(netns)
         self._created.clear()
@@ -184,7 +204,9 @@ class NetworkLab:
         return ["ip", "netns", "exec", self.hosts[host].netns, *argv]
 
     def popen(self, host: int, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        return subprocess.Popen(self.command(host, argv), **kwargs)
+        proc = subprocess.Popen(self.command(host, argv), **kwargs)
+        self._started.append((host, proc))
+        return proc
 
     def run(self, host: int, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
         return subprocess.run(self.command(host, argv), **kwargs)
@@ -235,7 +257,7 @@ class NetworkLab:
     def kill_host(self, host: int) -> list[int]:
         """SIGKILL every process of host ``host`` at once, as when the machine dies; its
         cable stays up, so the peers' connections break (the kernel resets them)."""
-        return _kill_all(self.hosts[host].netns)
+        return self._kill([host])
 
     def link_down(self, host: int) -> None:
         """Cut host ``host``'s cable (its switch port goes down)."""

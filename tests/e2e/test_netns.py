@@ -63,6 +63,20 @@ def test_failure_inside_the_lab_kills_its_processes_and_removes_it():
 
 
 @needs_lab
+def test_a_process_not_yet_inside_its_namespace_is_killed_too():
+    """``ip netns exec`` may not have entered the namespace when the lab closes (a CI run
+    closed the lab in that instant: the namespace was gone and the process failed with 255
+    instead of being killed). Modelled here by a process that never enters it."""
+    with NetworkLab(1) as lab:
+        lab.command = lambda host, argv: argv  # type: ignore[method-assign]
+        outside = lab.popen(0, ["sleep", "300"])
+    try:
+        assert outside.wait(timeout=10) == -9
+    finally:
+        outside.kill()
+
+
+@needs_lab
 def test_namespaces_of_a_dead_lab_are_swept():
     dead = subprocess.Popen(["true"])
     dead.wait()
