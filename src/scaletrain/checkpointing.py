@@ -52,6 +52,9 @@ class NoCheckpoints:
     def wait(self) -> float:
         return 0.0
 
+    def settle(self) -> None:
+        return None
+
 
 class Checkpointing(NoCheckpoints):
     """Saves after every N-th applied step, or at the interval auto chose, and when asked
@@ -72,6 +75,7 @@ class Checkpointing(NoCheckpoints):
         self.step_times: list[float] = []  # seconds between steps, saves left out
         self._last: float | None = None
         self._blocked = 0.0
+        self._unsettled = False  # a synchronous save whose ranks have not agreed yet (settle)
         self.plan: dict[str, Any] = {}
 
     def maybe_save(self) -> float:
@@ -83,7 +87,7 @@ class Checkpointing(NoCheckpoints):
         step = self.trainer.progress.step
         due = step >= self.next_step if self.auto else bool(self.every) and step % self.every == 0
         if due:
-            self._blocked = self.save(background=self.writer is not None)
+            self._blocked = self.save(background=self.writer is not None, periodic=True)
             self.costs.append(self._blocked)
             if self.auto:
                 self._plan_next()
@@ -127,8 +131,10 @@ class Checkpointing(NoCheckpoints):
             out["optimal_interval_s"] = optimal_interval_s(cost_s, self.mtbf_s)
         return out
 
-    def save(self, *, background: bool = False) -> float:
-        """Save the state after the current step (every rank calls it); the seconds blocked."""
+    def save(self, *, background: bool = False, periodic: bool = False) -> float:
+        """Save the state after the current step (every rank calls it); the seconds blocked.
+        ``periodic``: maybe_save's, whose step record is still to be written: the loop calls
+        settle after writing it (otherwise save settles before it returns)."""
         t = self.trainer
         if self.saved_step == t.progress.step:
             return 0.0
@@ -173,20 +179,25 @@ class Checkpointing(NoCheckpoints):
             self.writer.submit(write)
         else:
             write()
-            self._written_everywhere()
+            self._unsettled = True
+            if not periodic:
+                self.settle()
         return blocked + time.perf_counter() - started
 
-    def _written_everywhere(self) -> None:
-        """A synchronous save returns once every rank's part is on disk, rank 0's checkpoint
-        included: no rank starts the next step before. Otherwise a rank with only its small
-        RNG file to write could go on and die while rank 0 still wrote, and the agent would
-        stop rank 0 before the checkpoint every survivor had passed was there (the restart
-        then went back one checkpoint further). One all-reduce of one number per save."""
+    def settle(self) -> None:
+        """After a synchronous save, once this rank has written the step's record: wait until
+        every rank has, rank 0's checkpoint included, so no rank starts the next step before.
+        Otherwise a rank with only its small RNG file to write could go on and die while
+        rank 0 still wrote, and the agent stopped rank 0 before the checkpoint every survivor
+        had passed was there (the restart went back one checkpoint further). After the record,
+        not before: a world that breaks here resumes from this checkpoint, and the step's
+        records (its sample ids) must exist. One all-reduce of one number per save."""
         t = self.trainer
-        if t.ctx.world_size > 1:
+        if self._unsettled and t.ctx.world_size > 1:
             t.watchdog.enter(t.progress.step, "checkpoint written: waiting for every rank",
                              "all-reduce")  # fmt: skip
             dist.all_reduce(torch.zeros(1, device=t.ctx.device))
+        self._unsettled = False
 
     def wait(self) -> float:
         """Block until a background write is on disk; the seconds that took."""

@@ -184,6 +184,7 @@ class Trainer:
         if self.rates is not None:
             self._balance(plan, data_s + result.compute_s + slowed_s)
         sink.write(record)
+        self.checkpoints.settle()  # a save of this step is on every rank's disk (and record)
         self.totals.add(record)
         if self.resuming:  # the first step after a restart: recovery complete
             self.resuming = False
