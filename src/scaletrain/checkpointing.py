@@ -4,8 +4,9 @@ auto with --mtbf-s: fault/interval.py, from the measured save cost and step time
 over the ranks), and when asked: at a preemption and after the last step.
 
 Rank 0 writes the checkpoint (or, for sharded state, every rank its shards through DCP);
-every rank writes its own RNG states and per-rank strategy state beside it. A synchronous save
-returns on every rank once all of it is on disk. summary.json's
+every rank writes its own RNG states and per-rank strategy state beside it. After a synchronous
+save (and, for a periodic one, the step's record) the ranks settle: none starts the next step
+before all of it is on disk. summary.json's
 ``checkpointing`` says what was chosen and what it cost.
 """
 
