@@ -10,7 +10,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -104,13 +103,18 @@ def test_bsp_drops_a_dead_worker_and_its_restart_rejoins(tmp_path):
 
 def test_asp_worker_killed_others_continue_and_its_data_is_trained_once(tmp_path):
     out = tmp_path / "run"
-    # No restart: the two survivors finish the run alone.
-    result = run_cli("run", *PS, "--consistency", "asp", "--lr", "0.02", "--epochs", "8",
+    # No restart: the two survivors finish the run alone. ddp's lr: under the staleness rule
+    # (--lr / (1 + staleness)) the lr 0.02 this test once used trained too little, 0.942-0.969
+    # over seeds 0-4 here, and CI once ended at 0.947 against a floor of 0.95. At 0.05, 16
+    # runs (seeds 0-4, and seed 1 eleven times: asynchronous order differs every run) gave
+    # 0.947-0.989, mean 0.975, sd 0.009. The floor is a sanity check 6 sd below the mean:
+    # exactly-once and the survivors carrying on are the claims.
+    result = run_cli("run", *PS, "--consistency", "asp", "--lr", "0.05", "--epochs", "8",
                      *JOB, "--log-sample-ids", "--inject", "kill:rank=1:step=10",
                      "--out", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary, records = load(out)
-    assert summary["test_accuracy"] >= 0.95
+    assert summary["test_accuracy"] >= 0.92, summary["test_accuracy"]
     assert_exactly_once(records, 8)
     [death] = summary["recoveries"]
     assert death["kind"] == "ps-worker" and death["rank"] == 1 and not death["restarted"]
@@ -161,14 +165,17 @@ def test_ssp_bound_holds_end_to_end(tmp_path, staleness, workers):
 def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
     out = tmp_path / "run"
     # Adam on the servers (its state is in the checkpoint too). SGD with momentum 0.9 at
-    # lr 0.02 reaches 91-96% here: stale gradients add momentum of their own.
+    # lr 0.02 reaches 91-96% here: stale gradients add momentum of their own. This very run,
+    # 8 times (asynchronous order and the kill's moment differ every time): 0.958-0.975,
+    # mean 0.968, sd 0.006. The floor is a sanity check 6.4 sd below: the claims are the
+    # restored slice and that no worker restarted.
     result = run_cli("run", *PS, "--consistency", "ssp", "--staleness", "2",
                      "--optimizer", "adam", "--lr", "0.002", "--epochs", "8", *JOB,
                      "--max-restarts", "1", "--checkpoint-every", "10",
                      "--inject", "kill:rank=4:step=25", "--out", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary, records = load(out)
-    assert summary["test_accuracy"] >= 0.95
+    assert summary["test_accuracy"] >= 0.93, summary["test_accuracy"]
     [death] = summary["recoveries"]
     assert death["kind"] == "ps-server" and death["server"] == 1 and death["restarted"]
     # Killed before its 25th update, it reloads the newest slice whose write was complete:
@@ -259,7 +266,10 @@ def test_asynchronous_modes_train_with_ddps_optimizer_flags(tmp_path, optimizer,
     """The staleness-aware rule (the default: each push at --lr / (1 + its staleness)) lets
     asp and ssp(2) train with what trains ddp. Measured over seeds 0-4, 15 epochs, 3 workers
     and 2 servers: SGD 0.05 m0.9 asp 0.975-0.986, ssp(2) 0.969-0.986; Adam 0.002 asp
-    0.975-0.986, ssp(2) 0.975-0.986 (under the plain rule, SGD diverged to 0.10-0.17)."""
+    0.975-0.986, ssp(2) 0.975-0.986 (under the plain rule, SGD diverged to 0.10-0.17). Seed 0
+    run 8 times each (the asynchronous order differs every run): asp 0.975-0.989, ssp(2)
+    0.975-0.986, Adam asp 0.969-0.986, ssp(2) 0.981-0.986; sd 0.002-0.006: the floor is at
+    least 4.7 sd below each mean."""
     out = tmp_path / "run"
     result = run_cli("run", *PS, *consistency, *optimizer, "--epochs", "15", "--seed", "0",
                      "--num-threads", "1", "--out", str(out))  # fmt: skip
