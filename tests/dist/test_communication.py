@@ -68,7 +68,8 @@ def test_uncompressed_baseline_reports_its_communication(baseline):
     assert 0.0 <= summary["overlap"] <= 1.0
     # 2 ranks, ring all-reduce: each rank sends its whole fp32 gradient once per step.
     num_params = sum(
-        v.numel() for v in torch.load(summary["run_dir"] + "/checkpoints/final.pt")["model"].values()
+        v.numel()
+        for v in torch.load(summary["run_dir"] + "/checkpoints/final.pt")["model"].values()
     )
     assert summary["comm_bytes_per_step"] == pytest.approx(4 * num_params, rel=0.01)
     # DDP starts with one bucket and rebuilds them after the first step.

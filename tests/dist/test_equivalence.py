@@ -88,10 +88,36 @@ def test_metrics_contract(single):
     records, summary = run["records"], run["summary"]
     assert len(records) == 20
     for r in records:
-        assert {"step", "rank", "samples", "loss", "compute_s", "comm_s", "wait_s", "data_s"} <= r.keys()
+        assert {
+            "step",
+            "rank",
+            "samples",
+            "loss",
+            "compute_s",
+            "comm_s",
+            "wait_s",
+            "data_s",
+        } <= r.keys()
         assert r["comm_s"] > 0 and r["compute_s"] > 0
-    for key in ("strategy", "world_size", "steps", "samples", "wall_s", "samples_per_s",
-                "final_loss", "test_accuracy", "time_breakdown", "recoveries", "params_sha256"):
+    for key in (
+        "strategy",
+        "world_size",
+        "steps",
+        "samples",
+        "wall_s",
+        "samples_per_s",
+        "final_loss",
+        "test_accuracy",
+        "time_breakdown",
+        "recoveries",
+        "params_sha256",
+    ):
         assert key in summary
-    assert set(summary["time_breakdown"]) == {"compute_s", "comm_s", "wait_s", "data_s", "checkpoint_s"}
+    assert set(summary["time_breakdown"]) == {
+        "compute_s",
+        "comm_s",
+        "wait_s",
+        "data_s",
+        "checkpoint_s",
+    }
     assert summary["samples"] == 2 * 115

@@ -24,7 +24,9 @@ def test_user_model_raising_on_one_rank(tmp_path):
     with pytest.raises(WorkerFailed) as info:
         scaletrain.run(cfg, show_progress=False)
     message = str(info.value)
-    assert message.startswith("rank 1 failed (exit code 1): RuntimeError: user model exploded on rank 1")
+    assert message.startswith(
+        "rank 1 failed (exit code 1): RuntimeError: user model exploded on rank 1"
+    )
     assert "rank1.log" in message
     assert not (tmp_path / "run" / "summary.json").exists()
     assert_no_orphans(tmp_path / "run")

@@ -12,7 +12,6 @@ import pytest
 
 from scaletrain.config import RunConfig, with_overrides
 from scaletrain.launch import describe_plan
-
 from tests.conftest import assert_no_orphans, run_cli
 
 DIGITS = 1437  # training samples of the built-in digits set

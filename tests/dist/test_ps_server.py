@@ -14,6 +14,7 @@ process ("terminate called without an active exception") after a failed test her
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import threading
@@ -61,10 +62,8 @@ class Worker:
 
     def close(self) -> None:
         """Leave as the worker strategy does at the end: DONE, so the server's handler returns."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the server may be gone already
             self.link.send(tp.header(kind=tp.Kind.DONE, worker=self.worker, attempt=self.attempt))
-        except RuntimeError:  # the server is gone already
-            pass
 
     def _reply(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         head = torch.zeros(tp.HEADER, dtype=torch.int64)

@@ -18,7 +18,6 @@ import time
 import pytest
 
 from scaletrain.io import read_jsonl
-
 from tests.conftest import (
     REPO,
     assert_no_orphans,
@@ -49,7 +48,8 @@ def test_killed_worker_restarts_from_checkpoint_with_identical_weights(
     killed = tmp_path / "killed"
     async_flag = ["--checkpoint-async"] if saving == "async" else []
     result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "1",
-                     *async_flag, "--inject", "kill:rank=1:step=8", "--out", str(killed))  # fmt: skip
+                     *async_flag, "--inject", "kill:rank=1:step=8",
+                     "--out", str(killed))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = summary_of(killed)
     assert summary["params_sha256"] == clean_hash
@@ -70,7 +70,6 @@ def test_killed_worker_restarts_from_checkpoint_with_identical_weights(
     assert_no_orphans(killed)
 
 
-
 def test_a_death_right_after_a_checkpoint_step_resumes_from_that_checkpoint(tmp_path):
     """Rank 0 is slowed (it sleeps after each step's compute, before it saves) and rank 1
     dies just before the step after a checkpoint. A rank passes a synchronous save only once
@@ -86,6 +85,7 @@ def test_a_death_right_after_a_checkpoint_step_resumes_from_that_checkpoint(tmp_
     assert recovery["failed_step"] == 7 and recovery["rank"] == 1, recovery
     assert recovery["step"] == 6, recovery
     assert_no_orphans(out)
+
 
 def test_an_empty_error_file_is_a_death_like_any_other_and_the_job_restarts(tmp_path):
     """torch's agent raised on an empty error file (a survivor SIGTERMed while writing it)
@@ -114,8 +114,8 @@ def test_a_restart_that_fails_again_before_its_checkpoint_is_still_reported(tmp_
     summary = summary_of(out)
     assert summary["params_sha256"] == clean_hash
     recoveries = summary["recoveries"]
-    assert [(r["attempt"], r["step"], r["cause"], r["rank"], r["failed_step"]) for r in recoveries] == [
-        (1, 4, "death", 1, 6), (2, 4, "death", 1, 5)], recoveries  # fmt: skip
+    got = [(r["attempt"], r["step"], r["cause"], r["rank"], r["failed_step"]) for r in recoveries]
+    assert got == [(1, 4, "death", 1, 6), (2, 4, "death", 1, 5)], recoveries
     assert recoveries[1]["resumed_s"] is not None
 
 
@@ -292,7 +292,6 @@ def test_nodes_without_a_shared_run_directory_are_told_so_on_restart(tmp_path):
     assert "same --out on a shared file system" in outputs[0][1], outputs[0][1]
     assert "Traceback" not in outputs[0][1]
     assert not (outs[0] / "summary.json").exists()
-
 
 
 def test_a_node_whose_peer_ended_the_job_reports_its_own_failure_not_the_rendezvous(tmp_path):

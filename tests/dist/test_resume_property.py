@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import pytest
 
 from scaletrain import env
-
 from tests.conftest import assert_no_orphans, run_cli
 
 SEED = int(os.environ.get(env.STRESS_SEED, "20261201"))

@@ -4,15 +4,13 @@ Real processes, real gloo all-reduces inside every block."""
 
 from __future__ import annotations
 
-
 import pytest
 from torch import nn
 
-from scaletrain.launch import describe_plan
 from scaletrain.config import RunConfig, with_overrides
+from scaletrain.launch import describe_plan
 from scaletrain.models import build_model
 from scaletrain.strategies.dtensor import check_tensor_parallel
-
 from tests.dist.test_equivalence import GLOBAL_BATCH, train
 
 SAMPLES = 115
