@@ -175,6 +175,9 @@ def test_hang_without_restarts_fails_with_a_report_not_a_stall(tmp_path):
         "waits in it: rank 0 has been in 'starting the step' of step 3 for"
     ) in result.stderr
     assert "Traceback" not in result.stderr
+    # Never early: each report comes a whole --hang-timeout-s after its rank's last progress.
+    reports = [i for i in read_jsonl(out / "logs" / "incidents.jsonl") if i["kind"] == "hang"]
+    assert reports and all(r["detected_at"] - r["waited_since"] >= 4 for r in reports), reports
     assert_no_orphans(out)
 
 

@@ -195,7 +195,14 @@ def test_three_hosts_survive_a_dead_host_then_a_cut_cable(tmp_path):
     assert first["world_size"] == 2 and first["detected_at"] - killed_at < 5
     assert second["cause"] == "hang" and second["ranks"] == cut, second
     assert second["world_size"] == 1
-    assert 6 <= second["detected_at"] - cut_at < 6 + 5
+    # Host 0's watchdog fires once host 0 has made no progress for --hang-timeout-s 6, counted
+    # from its own last progress, which can come before the cut (it entered the step's
+    # all-reduce, then the cable went): a fresh clone once saw 5.97 s from the cut.
+    [report] = [i for i in read_jsonl(out / "logs" / "incidents.jsonl")
+                if i["kind"] == "hang" and i["detected_at"] == second["detected_at"]]  # fmt: skip
+    assert not report["store_unreachable"]  # host 0's report: it could read every heartbeat
+    assert report["detected_at"] - report["waited_since"] >= 6
+    assert cut_at < second["detected_at"] < cut_at + 6 + 5
 
 
 @needs_lab

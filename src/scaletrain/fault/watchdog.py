@@ -253,6 +253,9 @@ class Watchdog(NullWatchdog):
             "step": diagnosis.step,
             "collective": diagnosis.collective,
             "stalled_since": diagnosis.since,
+            # This rank's own last progress: it fired --hang-timeout-s after this. Its wait can
+            # begin before the fault (a collective entered before a cable was cut).
+            "waited_since": self._beat.since,
             "detected_at": time.time(),
             "message": diagnosis.message,
         }
