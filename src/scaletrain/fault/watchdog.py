@@ -202,8 +202,9 @@ class Watchdog(NullWatchdog):
 
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_INTERVAL_S):
-            if time.time() - self._beat.since > self.timeout_s:
-                self._fire()
+            since = self._beat.since  # read once: the trainer may move on while we report
+            if time.time() - since > self.timeout_s:
+                self._fire(since)
 
     def _beats_within(self, limit_s: float) -> dict[int, Beat | None] | None:
         """Every rank's heartbeat, or None when the store fails or does not answer in
@@ -221,7 +222,7 @@ class Watchdog(NullWatchdog):
         reader.join(limit_s)
         return result[0] if result else None
 
-    def _fire(self) -> None:
+    def _fire(self, waited_since: float) -> None:
         beats = self._beats_within(3 * BEAT_INTERVAL_S)
         unreachable = beats is None
         if beats is None:
@@ -235,13 +236,13 @@ class Watchdog(NullWatchdog):
                 "answer: that host, or this one, may be cut off)",
             )
         log.error("%s", diagnosis.message)
-        self._record(diagnosis, unreachable)
+        self._record(diagnosis, unreachable, waited_since)
         write_error_file(diagnosis.message)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(HANG_EXIT_CODE)
 
-    def _record(self, diagnosis: Diagnosis, unreachable: bool) -> None:
+    def _record(self, diagnosis: Diagnosis, unreachable: bool, waited_since: float) -> None:
         incident = {
             "kind": "hang",
             "attempt": self.attempt,
@@ -255,7 +256,7 @@ class Watchdog(NullWatchdog):
             "stalled_since": diagnosis.since,
             # This rank's own last progress: it fired --hang-timeout-s after this. Its wait can
             # begin before the fault (a collective entered before a cable was cut).
-            "waited_since": self._beat.since,
+            "waited_since": waited_since,
             "detected_at": time.time(),
             "message": diagnosis.message,
         }
