@@ -17,6 +17,7 @@ over the updates after them.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
 def lr_factor(kind: str, step: int, total_steps: int, warmup_steps: int = 0) -> float:
@@ -34,3 +35,25 @@ def lr_factor(kind: str, step: int, total_steps: int, warmup_steps: int = 0) -> 
     if kind == "step":
         return 1.0 if t < 0.5 else 0.1 if t < 0.75 else 0.01
     raise ValueError(f"lr_schedule: unknown schedule {kind!r}")
+
+
+def mark_base_lr(optimizer: Any) -> Any:
+    """Record each parameter group's learning rate as built under ``initial_lr`` (the key
+    torch's own schedulers use), before any state is saved or restored, and return the
+    optimizer. The base rate is then part of the optimizer's state dict from the start: a
+    checkpoint always carries it, and a restore gets it back even where only the keys the
+    fresh optimizer already has are read (torch.distributed.checkpoint's load fills the state
+    dict it is given). Recorded lazily instead, at the first scheduled update, a fresh
+    optimizer lacked the key, the sharded restore skipped it, and the next update took the
+    restored, already scheduled rate as the base: the schedule applied twice."""
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    return optimizer
+
+
+def scale_lr(optimizer: Any, factor: float) -> None:
+    """Set each group's learning rate to its base rate (``mark_base_lr``) times ``factor``. A
+    group restored without one (from a checkpoint of a run that never scheduled its rate, so
+    its rate is the base) takes its rate as the base."""
+    for group in mark_base_lr(optimizer).param_groups:
+        group["lr"] = group["initial_lr"] * factor

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 
 from scaletrain.config import RunConfig
 from scaletrain.registry import lookup
+from scaletrain.schedule import mark_base_lr
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -64,9 +65,11 @@ OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter], RunConfig], torch.optim.
 def build_optimizer(
     task: Task, params: Iterable[nn.Parameter], cfg: RunConfig
 ) -> torch.optim.Optimizer:
+    """The task's optimizer, or the config's, with each group's base learning rate recorded
+    in its state (schedule.mark_base_lr) before anything saves or restores it."""
     if task.build_optimizer is not None:
-        return task.build_optimizer(params)
-    return lookup(OPTIMIZERS, cfg.optim.optimizer, "optimizer")(params, cfg)
+        return mark_base_lr(task.build_optimizer(params))
+    return mark_base_lr(lookup(OPTIMIZERS, cfg.optim.optimizer, "optimizer")(params, cfg))
 
 
 def build_builtin_task(cfg: RunConfig) -> Task:

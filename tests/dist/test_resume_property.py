@@ -12,7 +12,8 @@ so it reproduces with ``pytest -k``.
 
 Found by it: with 3 or more ranks the first step after a restart summed gradients in another
 order than the uninterrupted run's step (DDP's first iteration uses one bucket, gloo's ring
-adds in chunk order), hence --deterministic's rank-ordered sums (compression/hook.py).
+adds in chunk order), hence --deterministic's rank-ordered sums (compression/hook.py). And
+that fsdp's sharded restore dropped the base learning rate (REGRESSIONS below).
 """
 
 from __future__ import annotations
@@ -79,7 +80,23 @@ def draw(seed: int, index: int) -> Case:
     )  # fmt: skip
 
 
-CASES = [draw(SEED, i) for i in range(DRAWS)]
+# Draws that once failed, kept whatever the seed.
+REGRESSIONS = [
+    # fsdp restored its optimizer through a sharded (DCP) load, which reads only the keys the
+    # fresh optimizer has: the base learning rate, recorded lazily, was not among them, so
+    # after a restore mid-schedule the restored, already scheduled rate became the base.
+    Case(
+        strategy="fsdp",
+        world_size=2,
+        batch_size=4,
+        num_samples=24,
+        checkpoint_every=4,
+        kill_rank=1,
+        kill_step=5,
+        lr_schedule="cosine",
+    ),
+]
+CASES = REGRESSIONS + [draw(SEED, i) for i in range(DRAWS)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

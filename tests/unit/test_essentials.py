@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from scaletrain.config import RunConfig, with_overrides
-from scaletrain.schedule import lr_factor
+from scaletrain.schedule import lr_factor, scale_lr
 from scaletrain.strategies.essentials import micro_batches, slice_batch
+from scaletrain.task import Task, build_optimizer
 
 
 def test_schedules_ramp_then_decay():
@@ -30,6 +31,30 @@ def test_schedules_ramp_then_decay():
     assert lr_factor("linear", 150, 100) == 0.0
     with pytest.raises(ValueError, match="unknown schedule"):
         lr_factor("exp", 0, 10)
+
+
+def test_the_base_rate_is_in_a_fresh_optimizers_state_and_survives_a_keyed_restore():
+    """A restore that reads only the keys a fresh optimizer has (a sharded DCP load) must get
+    the base rate back: a restored, already scheduled rate must never become the base."""
+    cfg = with_overrides(RunConfig(), {"lr": 0.4, "lr_schedule": "cosine"})
+    task = Task(model=torch.nn.Linear(2, 1), train_data=[])
+
+    def fresh():
+        return build_optimizer(task, task.model.parameters(), cfg)
+
+    trained = fresh()
+    scale_lr(trained, 0.25)  # mid-schedule
+    saved = trained.state_dict()["param_groups"]
+    restored = fresh()
+    keys = restored.state_dict()["param_groups"][0].keys()
+    assert "initial_lr" in keys  # so a keyed load reads it
+    for group in restored.param_groups:  # what the keyed load does
+        group.update({k: saved[0][k] for k in keys if k != "params"})
+    scale_lr(restored, 0.5)
+    assert restored.param_groups[0]["lr"] == 0.2
+    # A user's own optimizer gets the same.
+    own = Task(model=task.model, train_data=[], build_optimizer=lambda p: torch.optim.SGD(p, 0.3))
+    assert build_optimizer(own, own.model.parameters(), cfg).param_groups[0]["initial_lr"] == 0.3
 
 
 @pytest.mark.parametrize(("num_samples", "parts"), [(7, 3), (2, 4), (12, 4), (1, 1), (0, 3)])

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from scaletrain.data.partition import split_counts
+from scaletrain.schedule import scale_lr
 
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -177,9 +178,7 @@ class StepEssentials:
     def set_lr(self, factor: float) -> None:
         """This step's learning rate: --lr's own (each group's as built) times ``factor``."""
         for optimizer in self.optimizers():
-            for group in optimizer.param_groups:
-                group.setdefault("initial_lr", group["lr"])
-                group["lr"] = group["initial_lr"] * factor
+            scale_lr(optimizer, factor)
 
     def essentials_state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict() if self.scaler is not None else None}

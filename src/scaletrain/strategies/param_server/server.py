@@ -42,7 +42,7 @@ from torch import nn
 from scaletrain.config import RunConfig
 from scaletrain.fault.inject import parse_inject
 from scaletrain.io import append_jsonl, atomic_torch_save
-from scaletrain.schedule import lr_factor
+from scaletrain.schedule import lr_factor, scale_lr
 from scaletrain.strategies.param_server import consistency as rules
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.admission import Admission
@@ -421,9 +421,7 @@ class ShardServer:
         if staleness is not None:
             factor *= rules.staleness_lr_factor(self.cfg.ps.staleness_rule, staleness,
                                                 self.num_workers)  # fmt: skip
-        for group in self.optimizer.param_groups:
-            group.setdefault("initial_lr", group["lr"])
-            group["lr"] = group["initial_lr"] * factor
+        scale_lr(self.optimizer, factor)
         self.param.grad = grad
         self.optimizer.step()
         self.param.grad = None
