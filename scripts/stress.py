@@ -13,6 +13,12 @@ round's seed, which reproduces the draws (SCALETRAIN_STRESS_SEED=<seed> pytest .
 the round's whole pytest output is kept in runs/stress/.
 Exit status: 0 when every test passed every round, 1 otherwise.
 
+Rounds add up across invocations: every round of a clean checkout (no tracked file changed)
+is appended to runs/stress/ledger.jsonl under its commit, and the summary ends with the
+pass counts of every round recorded for the commit being tested, so 20 rounds can be run as
+8 today and 12 tomorrow on the same code. A round of a modified tree is not recorded: it
+tests code that no commit names.
+
     python scripts/stress.py [--rounds N] [--draws D] [--seed S] [-- extra pytest args]
 """
 
@@ -27,8 +33,11 @@ import sys
 import time
 from pathlib import Path
 
+from scaletrain.io import append_jsonl, read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
 LOGS = REPO / "runs" / "stress"  # a failing round's whole pytest output
+LEDGER = LOGS / "ledger.jsonl"  # every round of a clean checkout, by commit
 FAULT_TESTS = [
     "tests/dist/test_recovery.py",
     "tests/dist/test_resume_property.py",
@@ -55,6 +64,32 @@ NOT_FAULT_TESTS = [
 RESULT = re.compile(r"^(PASSED|FAILED|ERROR) (tests/\S+::\S+)", re.M)
 
 
+def clean_commit() -> str | None:
+    """HEAD's commit when no tracked file differs from it, else None."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return None if dirty else git("rev-parse", "HEAD")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def name_of(test: str) -> str:
+    """Property draws differ between rounds: they count under one name."""
+    return re.sub(r"\[.*\]$", "[draw]", test) if "resume_property" in test else test
+
+
+def print_counts(title: str, runs: collections.Counter[str], passed: collections.Counter[str]):
+    width = max((len(n) for n in runs), default=10)
+    print(f"\n{title}:")
+    for name in sorted(runs):
+        print(f"  {name:<{width}}  {passed[name]}/{runs[name]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=int(os.environ.get("ROUNDS", "20")))
@@ -65,6 +100,7 @@ def main() -> int:
     passed: collections.Counter[str] = collections.Counter()
     runs: collections.Counter[str] = collections.Counter()
     failures: list[str] = []
+    commit = clean_commit()
     for round_ in range(args.rounds):
         seed = args.seed + round_
         env = dict(os.environ, SCALETRAIN_STRESS_SEED=str(seed),
@@ -84,9 +120,8 @@ def main() -> int:
         if not results or proc.returncode not in (0, 1):  # collection error, abort, crash
             failures.append(f"round {round_} (seed {seed}): pytest exited {proc.returncode}")
             print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
-        # Property draws differ between rounds: count them under one name.
         for outcome, test in results:
-            name = re.sub(r"\[.*\]$", "[draw]", test) if "resume_property" in test else test
+            name = name_of(test)
             runs[name] += 1
             if outcome == "PASSED":
                 passed[name] += 1
@@ -96,10 +131,27 @@ def main() -> int:
         print(f"round {round_ + 1}/{args.rounds} seed {seed}: {len(results) - bad} passed, "
               f"{bad} failed, exit {proc.returncode}, {time.monotonic() - started:.0f} s",
               flush=True)  # fmt: skip
-    width = max((len(n) for n in runs), default=10)
-    print("\npasses per test:")
-    for name in sorted(runs):
-        print(f"  {name:<{width}}  {passed[name]}/{runs[name]}")
+        if commit is not None:  # a crashed round too: it failed
+            append_jsonl(LEDGER, {
+                "commit": commit, "seed": seed, "exit": proc.returncode, "pytest_args":
+                args.pytest_args, "seconds": round(time.monotonic() - started),
+                "unix_time": time.time(), "results": [list(r) for r in results],
+            })  # fmt: skip
+    print_counts("passes per test", runs, passed)
+    if commit is not None:
+        rounds = [r for r in read_jsonl(LEDGER)
+                  if r.get("commit") == commit and not r.get("pytest_args")]  # fmt: skip
+        all_runs: collections.Counter[str] = collections.Counter()
+        all_passed: collections.Counter[str] = collections.Counter()
+        for record in rounds:
+            for outcome, test in record["results"]:
+                all_runs[name_of(test)] += 1
+                all_passed[name_of(test)] += outcome == "PASSED"
+        print_counts(f"every round recorded for commit {commit[:12]} ({len(rounds)} rounds, "
+                     f"{sum(r['exit'] != 0 for r in rounds)} of them failing)",
+                     all_runs, all_passed)  # fmt: skip
+    else:
+        print("\n(a modified checkout: these rounds are not recorded in the ledger)")
     for line in failures:
         print(f"FAILED {line}")
     print(f"{sum(passed.values())} passed, {sum(runs.values()) - sum(passed.values())} failed")
