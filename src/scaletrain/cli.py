@@ -205,7 +205,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     console = Console()
     console.print(
         f"calibrated from {args.calibrate}: {cal.compute_s * 1e3:.1f} ms per step without "
-        f"communication at batch {cal.batch_size} per worker, {cal.grad_bytes / 1e6:.1f} MB "
+        f"communication at {cal.batch_size} samples per worker, {cal.grad_bytes / 1e6:.1f} MB "
         f"of gradients, overlap {cal.overlap:.0%}",
         highlight=False, soft_wrap=True,
     )  # fmt: skip

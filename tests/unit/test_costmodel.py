@@ -32,6 +32,21 @@ def test_ring_allreduce_and_ddp_by_hand():
     assert costmodel.predict_ddp(cal(), 1).step_s == 0.1  # nothing to communicate
 
 
+def test_calibration_counts_every_micro_batch_of_a_step(tmp_path):
+    """A run with --grad-accum 3 trains 3 batches a worker per step, in one step's time."""
+    summary = {"batch_size_per_worker": 16, "grad_accum": 3, "overlap": 0.25,
+               "per_rank": [{"memory": {"param_bytes": 4000}}]}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    rows = [{"rank": 0, "step": s, "compute_s": 0.3, "data_s": 0.01} for s in range(1, 7)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    measured = costmodel.calibrate_run(tmp_path)
+    assert measured["batch_size"] == 48
+    assert measured["compute_s"] == pytest.approx(0.31)
+    assert (measured["grad_bytes"], measured["overlap"]) == (4000, 0.25)
+    c = cal(compute_s=measured["compute_s"], batch_size=measured["batch_size"])
+    assert predict_method(c, "ddp", 1).samples_per_s == pytest.approx(48 / 0.31)
+
+
 def test_compression_local_sgd_ps_and_pipeline_by_hand():
     c = cal()
     squeezed = predict_method(c, "compressed:100:5", 4)  # 100x fewer bytes, 5 ms to encode

@@ -46,7 +46,7 @@ GATHER_COMPRESSORS = ("topk", "sign")
 @dataclass(frozen=True)
 class Calibration:
     compute_s: float  # one worker's step without communication, at the per-worker batch
-    batch_size: int  # per worker
+    batch_size: int  # samples per worker per step (its batch times --grad-accum)
     grad_bytes: int  # fp32 gradient bytes per step
     latency_s: float  # per message
     bandwidth_Bps: float  # per link, bytes per second
@@ -171,8 +171,9 @@ def with_link(cal: Calibration, *, bandwidth_Bps: float | None = None,
 
 def calibrate_run(run_dir: Path, warmup: int = 3) -> dict[str, float]:
     """From a finished 1-worker run of the job: its step time without communication (median
-    of rank 0's compute + data per step after ``warmup`` steps), the per-worker batch, the
-    gradient bytes (= parameter bytes, fp32) and the measured overlap."""
+    of rank 0's compute + data per step after ``warmup`` steps), the samples a worker trains
+    per step (its batch times --grad-accum: one step is that many micro-batches and one
+    synchronization), the gradient bytes (= parameter bytes, fp32) and the measured overlap."""
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl")
                if r["rank"] == 0 and r["step"] > warmup]  # fmt: skip
@@ -183,7 +184,7 @@ def calibrate_run(run_dir: Path, warmup: int = 3) -> dict[str, float]:
         raise ValueError(f"calibrate: {run_dir}'s summary.json does not say the model's size")
     return {
         "compute_s": statistics.median(r["compute_s"] + r["data_s"] for r in records),
-        "batch_size": summary["batch_size_per_worker"],
+        "batch_size": summary["batch_size_per_worker"] * summary.get("grad_accum", 1),
         "grad_bytes": grad_bytes,
         "overlap": summary.get("overlap") or 0.0,
     }
