@@ -55,6 +55,7 @@ from scaletrain.strategies.dtensor import (
     check_tensor_parallel,
     tensor_parallel_mesh,
 )
+from scaletrain.strategies.sharded_load import load_sharded
 
 
 def unit_bytes(model: nn.Module) -> tuple[int, int]:
@@ -189,7 +190,7 @@ class FSDPStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "dcp" in state:  # a sharded checkpoint: DCP reshards it for this world size
             sharded = self._sharded()
-            dcp.load(sharded, checkpoint_id=state["dcp"])
+            load_sharded(sharded, state["dcp"])
             set_model_state_dict(self.module, sharded["model"])
             set_optimizer_state_dict(self.module, self.optimizer, sharded["optimizer"])
             return

@@ -55,6 +55,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from scaletrain.config import RunConfig
 from scaletrain.metrics.timers import sent_bytes
 from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult, Strategy
+from scaletrain.strategies.sharded_load import load_sharded
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # Optimizer state flattened to one key per parameter and setting ("state.3.weight.
@@ -460,7 +461,7 @@ class PipelineStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "dcp" in state:  # read just this stage's keys, whatever split wrote them
             state_dict = self.state_dict()
-            dcp.load(state_dict, checkpoint_id=state["dcp"])
+            load_sharded(state_dict, state["dcp"])
             state = state_dict
         self.module.load_state_dict(state["model"])
         if self.optimizer is not None:
