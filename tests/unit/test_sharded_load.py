@@ -10,6 +10,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from scaletrain.strategies.sharded_load import drop_absent_base_lr, load_sharded
 
+# One process, no process group: DCP says it assumes a single process, which is the case.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
 
 def target() -> dict:
     return {
