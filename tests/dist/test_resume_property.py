@@ -70,7 +70,10 @@ def draw(seed: int, index: int) -> Case:
     schedule = rng.choice(["constant", "cosine"])
     per_step = world * batch * accum
     # Keep each run short (<= ~24 steps an epoch) whatever the draw.
-    num_samples = rng.randint(max(20, per_step + 1), max(21, min(90, 24 * per_step)))
+    # At least one step and a smaller last one: more than one step's samples, even where
+    # that is over 90 (4 ranks x 8 x 3 micro-batches is 96 a step).
+    low = max(20, per_step + 1)
+    num_samples = rng.randint(low, max(low, min(90, 24 * per_step)))
     steps = 2 * math.ceil(num_samples / per_step)
     strategy = STRATEGIES[index] if index < len(STRATEGIES) else rng.choice(STRATEGIES)
     return Case(
@@ -122,3 +125,13 @@ def test_a_killed_and_restarted_run_ends_bit_identical(tmp_path, case):
     assert got["steps"] == want["steps"] and got["samples"] == want["samples"]
     assert got["params_sha256"] == want["params_sha256"], case
     assert_no_orphans(killed)
+
+
+def test_every_seed_draws_valid_configurations():
+    """Any stress seed collects: a draw once asked for an empty range of sample counts (4
+    ranks x 8 x 3 micro-batches is 96 samples a step, over the 90 cap)."""
+    for seed in range(SEED, SEED + 3000):
+        for index in range(DRAWS):
+            case = draw(seed, index)
+            per_step = case.world_size * case.batch_size * case.grad_accum
+            assert case.num_samples > per_step and 0 <= case.kill_rank < case.world_size
