@@ -118,7 +118,11 @@ def test_asp_worker_killed_others_continue_and_its_data_is_trained_once(tmp_path
     assert_exactly_once(records, 8)
     [death] = summary["recoveries"]
     assert death["kind"] == "ps-worker" and death["rank"] == 1 and not death["restarted"]
-    assert death["requeued_samples"] == 32  # the batch it held when it died
+    # The batch it held when it died, dealt again: a whole one, or the last of an epoch
+    # (1437 = 44 x 32 + 29). Rank 1's 10th lease is the 10th only of its own: a stress round
+    # saw it stall 0.3 s in its 3rd step on 2 cores while the others took the leases, so
+    # its 10th was the 90th dealt, epoch 1's last, and 29 samples went back.
+    assert death["requeued_samples"] in (32, DIGITS % 32)
     assert_continued_without(records, 1, death["failed_at"], float("inf"))
     # Asynchronous: gradients were applied on parameters other workers had already moved.
     hist = summary["staleness_histogram"]
