@@ -37,6 +37,10 @@ def lr_factor(kind: str, step: int, total_steps: int, warmup_steps: int = 0) -> 
     raise ValueError(f"lr_schedule: unknown schedule {kind!r}")
 
 
+# Where each parameter group keeps its base rate: the key torch's own schedulers use.
+BASE_LR = "initial_lr"
+
+
 def mark_base_lr(optimizer: Any) -> Any:
     """Record each parameter group's learning rate as built under ``initial_lr`` (the key
     torch's own schedulers use), before any state is saved or restored, and return the
@@ -47,7 +51,7 @@ def mark_base_lr(optimizer: Any) -> Any:
     optimizer lacked the key, the sharded restore skipped it, and the next update took the
     restored, already scheduled rate as the base: the schedule applied twice."""
     for group in optimizer.param_groups:
-        group.setdefault("initial_lr", group["lr"])
+        group.setdefault(BASE_LR, group["lr"])
     return optimizer
 
 
@@ -56,4 +60,4 @@ def scale_lr(optimizer: Any, factor: float) -> None:
     group restored without one (from a checkpoint of a run that never scheduled its rate, so
     its rate is the base) takes its rate as the base."""
     for group in mark_base_lr(optimizer).param_groups:
-        group["lr"] = group["initial_lr"] * factor
+        group["lr"] = group[BASE_LR] * factor

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-BASE_LR = "initial_lr"
+from scaletrain.schedule import BASE_LR
 
 
 def drop_absent_base_lr(state: Any, present: set[str], prefix: str = "") -> None:
