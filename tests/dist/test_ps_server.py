@@ -272,3 +272,29 @@ def test_a_restarted_server_holds_rejoining_workers_by_their_own_clocks(tmp_path
     # a's reply was built after b's update: it was held, not answered at version 1.
     assert int(head[tp.VERSION]) == 2 and int(head[tp.REPLY_CLOCK]) == 5
     store.set("ps/finish", "1")
+
+
+def test_a_worker_the_launcher_says_died_is_left_but_not_its_restarted_process(tmp_path):
+    """A worker that dies mid-message leaves its handler waiting on gloo, which fails that
+    op only at the link timeout; the launcher's death notice (transport.death_key) ends the
+    wait. The handler of the dead process must then leave only that process: here worker 0's
+    restart joined before the notice came, and is served on."""
+    store, server = start_server(tmp_path, "asp", num_train=64)
+    old, other = Worker(store.port, 0, attempt=0), Worker(store.port, 1)
+    old.hello(), other.hello()
+    new = Worker(store.port, 0, attempt=1)  # the restart rejoins while the old link is open
+    new.hello()
+    wait_for(server, lambda s: s.sessions.get(0) == 1)
+    store.set(tp.death_key(0, 0), "killed by SIGKILL")
+    # The old process's handler ends (its thread is named after worker and attempt).
+    wait_for(server, lambda _: "worker0.0" not in {t.name for t in threading.enumerate()})
+    assert not [e for e in events(tmp_path) if e["event"] == "worker_lost"]
+    head, _, _ = new.push(1, [1.0, 1.0], BATCH)  # still a member: applied, committed
+    assert int(head[tp.STATUS]) == tp.Status.OK and int(head[tp.COMMITTED]) == 1
+
+    # The other worker's death, with no restart: it is left at once, its lease requeued.
+    store.set(tp.death_key(1, 0), "killed by SIGKILL")
+    wait_for(server, lambda s: 1 not in s.live)
+    [lost] = [e for e in events(tmp_path) if e["event"] == "worker_lost"]
+    assert lost["worker"] == 1 and lost["how"] == "died" and lost["requeued"] == BATCH
+    store.set("ps/finish", "1")

@@ -106,14 +106,16 @@ class ProcessFleet:
         self.procs.clear()
 
     def _died(self, rank: int, code: int) -> None:
+        cause = describe_exit(code)
         death = {
             "rank": rank,
-            "cause": describe_exit(code),
+            "cause": cause,
             "attempt": self.attempts[rank],
             "died_at": time.time(),
             "restarted": self.may_restart(rank),
         }
         self.deaths.append(death)
+        self.died(rank, self.attempts[rank], cause)
         append_jsonl(
             self.run_dir / "logs" / "incidents.jsonl",
             {"kind": self.kind(rank), **death, "detected_at": death["died_at"]},
@@ -125,6 +127,10 @@ class ProcessFleet:
         else:
             self.failed.add(rank)
             self.ended(rank, "failed")
+
+    def died(self, rank: int, attempt: int, cause: str) -> None:
+        """``rank``'s process ``attempt`` died (before any restart); for subclasses to
+        publish."""
 
     def ended(self, rank: int, how: str) -> None:
         """``rank`` finished, or failed for good (``how``); for subclasses to publish."""

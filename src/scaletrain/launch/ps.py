@@ -2,11 +2,12 @@
 each on its own when it dies, and build summary.json when the workers are done.
 
 The launcher hosts the TCPStore through which links are set up (transport.py) and servers
-announce their incarnations. It starts every process itself (fault/fleet.py) rather than
-through torch's elastic agent, which would restart all of them on any death: under asp and
-ssp the survivors must not even pause. A dead process is restarted up to --max-restarts
-times: a worker rejoins at the servers' current version, a server reloads its last
-checkpointed slice.
+announce their incarnations. Every death is published there at once (transport.death_key),
+so that the peers of a process that died mid-message stop waiting for the rest of it. It
+starts every process itself (fault/fleet.py) rather than through torch's elastic agent,
+which would restart all of them on any death: under asp and ssp the survivors must not even
+pause. A dead process is restarted up to --max-restarts times: a worker rejoins at the
+servers' current version, a server reloads its last checkpointed slice.
 
 When every worker has finished (or failed for good, as long as one finished) the launcher
 sets ``ps/finish``; each server writes its final slice and exits. The launcher assembles the
@@ -86,6 +87,7 @@ class PSFleet(JobFleet):
         self._beats: dict[int, tuple[str, float]] = {}  # node -> (last beat, seen at)
         self.node_losses: list[dict[str, Any]] = []
         self._pending: dict[int, str] = {}  # ends to publish (by the beat thread)
+        self._deaths_to_publish: dict[str, str] = {}  # death notices, likewise
         self._beat_ok = time.monotonic()
         self.cut_off = False
         if self.nnodes > 1 and not self.is_head:
@@ -103,6 +105,9 @@ class PSFleet(JobFleet):
                 if store is None:
                     store = TCPStore(host, port, is_master=False,
                                      timeout=timedelta(seconds=self.silence_s))  # fmt: skip
+                for key, cause in list(self._deaths_to_publish.items()):
+                    store.set(key, cause)
+                    del self._deaths_to_publish[key]
                 for rank, how in list(self._pending.items()):
                     store.set(f"ps/end/{rank}", how)
                     del self._pending[rank]
@@ -151,6 +156,16 @@ class PSFleet(JobFleet):
 
     def kind(self, rank: int) -> str:
         return "ps-worker" if self.is_worker(rank) else "ps-server"
+
+    def died(self, rank: int, attempt: int, cause: str) -> None:
+        """Tell the dead process's peers (transport.PeerDied): node 0 at once, another node
+        through its beat thread (a store call on a cut link can block for good)."""
+        from scaletrain.strategies.param_server.transport import death_key  # imports torch
+
+        if self.nnodes > 1 and not self.is_head:
+            self._deaths_to_publish[death_key(rank, attempt)] = cause
+        else:
+            self.store.set(death_key(rank, attempt), cause)
 
     def ended(self, rank: int, how: str) -> None:
         if self.nnodes > 1 and not self.is_head:

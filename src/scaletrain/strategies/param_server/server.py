@@ -2,7 +2,8 @@
 state, applies the workers' gradients per the consistency mode, and serves the parameters.
 
 Threads: an acceptor watches the store for workers that join (or rejoin); each worker then
-gets a handler thread of its own that receives on that worker's link and replies. Receiving
+gets a handler thread of its own that receives on that worker's link and replies (its link
+fails the wait when the launcher says that worker's process died: transport.PeerDied). Receiving
 happens outside any lock, so pushes from several workers arrive concurrently; the lock
 (``self.cond``) is held only to apply a gradient or change membership, and the parameters a
 reply carries are copied under it and sent after it is released.
@@ -100,6 +101,7 @@ class ShardServer:
         self.version = 0
         self.cond = threading.Condition()
         self.live: set[int] = set()
+        self.sessions: dict[int, int] = {}  # each live worker's process attempt
         self.clocks: dict[int, int] = {}
         self.join_step: dict[int, int] = {}
         self.applied = 0
@@ -240,13 +242,16 @@ class ShardServer:
                 continue
             self.store.set(f"{key}/{seen}/answer", "ok")
             prefix = f"ps/link/s{self.index}.{self.attempt}/w{worker}.{worker_attempt}"
-            threading.Thread(target=self._handle, args=(worker, prefix), daemon=True,
-                             name=f"worker{worker}").start()  # fmt: skip
+            name = f"worker{worker}.{worker_attempt}"
+            threading.Thread(target=self._handle, args=(worker, worker_attempt, prefix),
+                             daemon=True, name=name).start()  # fmt: skip
 
-    def _handle(self, worker: int, prefix: str) -> None:
+    def _handle(self, worker: int, attempt: int, prefix: str) -> None:
+        """Serve one worker process (``worker``'s ``attempt``) over its own link."""
         try:
             link = tp.Link(self.new_store(), prefix, server_side=True,
-                           timeout_s=self.cfg.launch.timeout_s)  # fmt: skip
+                           timeout_s=self.cfg.launch.timeout_s,
+                           peer=(worker, attempt))  # fmt: skip
         except Exception as e:
             log.warning("worker %d could not connect: %s", worker, e)
             return
@@ -257,7 +262,7 @@ class ShardServer:
                 link.recv(head)
                 kind = tp.Kind(int(head[tp.KIND]))
                 if kind == tp.Kind.DONE:
-                    self._leave(worker, died=False)
+                    self._leave(worker, attempt, died=False)
                     return
                 if kind == tp.Kind.PUSH:
                     link.recv(grad, first_tag=1)
@@ -267,8 +272,10 @@ class ShardServer:
         except Exception as e:
             if not self.stop.is_set():
                 log.warning("lost worker %d: %s", worker, first_line(e))
-                self._leave(worker, died=True, how="connection")
+                how = "died" if isinstance(e, tp.PeerDied) else "connection"
+                self._leave(worker, attempt, died=True, how=how)
         finally:
+            link.close()
             log.info("handler of worker %d ends", worker)
 
     # -- membership ----------------------------------------------------------------------
@@ -280,6 +287,7 @@ class ShardServer:
             others = [self.clocks[w] for w in self.live]
             self.clocks[worker] = rules.join_clock(int(head[tp.CLOCK]), others)
             self.live.add(worker)
+            self.sessions[worker] = int(head[tp.ATTEMPT])
             self.hellos.add(worker)
             if self.coordinator is None:
                 self.join_step[worker] = int(head[tp.STEP])
@@ -303,9 +311,11 @@ class ShardServer:
             )
             return self._reply(worker, started, staleness=0, committed=False)
 
-    def _leave(self, worker: int, *, died: bool, how: str = "") -> None:
+    def _leave(self, worker: int, attempt: int, *, died: bool, how: str = "") -> None:
+        """``worker``'s process ``attempt`` is gone: done, or dead. A handler that learns of
+        its process's death late leaves a restarted one that has joined since alone."""
         with self.cond:
-            if worker not in self.live:
+            if worker not in self.live or self.sessions.get(worker) != attempt:
                 return
             requeued = self._drop(worker)
             if died:

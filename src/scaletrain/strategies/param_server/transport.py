@@ -27,18 +27,45 @@ beside a step's compute.
 Every message is a fixed-size int64 header, then payload tensors of sizes both sides know
 (the server's parameter slice; server 0 adds the worker's next lease). Tags keep the tensors
 of one message apart. A link is only ever used by one thread on each side.
+
+A peer that dies with a message half sent or half received. Gloo fails a pending send or
+recv at once when its peer's connection closes, except the one message whose bytes were on
+the wire: that op waits out the whole link timeout (--timeout-s, 300 s by default), measured
+with a 200 MB message on loopback whose sender (or receiver) was SIGKILLed mid-way, and
+``ProcessGroupGloo.abort()`` from another thread does not release it. A stress round hit it
+when a killed server was sending a reply: the worker sat in that recv while ssp held every
+other worker behind it. So the launcher, which sees every death at once, publishes it in the
+store (``death_key``), and a link given its peer's rank and attempt waits in a thread of its
+own while the caller checks that key every WATCH_S: a peer known dead fails the op with
+PeerDied within WATCH_S, whatever state gloo is in. The abandoned wait ends at the link
+timeout; the link is never used again.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import queue
+import threading
+from collections.abc import Sequence
 from enum import IntEnum
 
 import torch
 import torch.distributed as dist
 
 HEADER = 10
+# How often a wait on a link checks whether its peer is known dead.
+WATCH_S = 0.5
+
+
+def death_key(rank: int, attempt: int) -> str:
+    """The store key the launcher sets (to the cause) when process ``rank``'s ``attempt``
+    dies."""
+    return f"ps/dead/{rank}.{attempt}"
+
+
+class PeerDied(RuntimeError):
+    """The link's peer process is dead (the launcher said so) while an op on it was pending."""
 
 
 class Kind(IntEnum):
@@ -102,32 +129,88 @@ def gloo_device() -> object:
 
 class Link:
     """One worker-server connection. Constructing it blocks until both ends have joined
-    (or ``timeout`` passes); each op raises RuntimeError when the peer is gone."""
+    (or ``timeout`` passes); each op raises RuntimeError when the peer is gone. ``peer``:
+    the (rank, attempt) of the process at the other end, to fail fast when it dies
+    mid-message (see the module's notes); without it waits are gloo's own."""
 
     def __init__(
-        self, store: dist.Store, prefix: str, *, server_side: bool, timeout_s: float
-    ) -> None:
+        self, store: dist.Store, prefix: str, *, server_side: bool, timeout_s: float,
+        peer: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         opts._devices = [gloo_device()]
         self.rank = 0 if server_side else 1
         self.peer = 1 - self.rank
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, 2, opts)
+        self.store = store
+        self.peer_key = death_key(*peer) if peer is not None else None
+        self.broken: str | None = None  # why the link is dead for good (PeerDied)
+        self._jobs: queue.SimpleQueue[_Wait | None] | None = None
 
     # A message's tensors go with tags 0 (the header), 1 (the payload), 2 (server 0's lease),
     # so a receiver may take the header first and decide whether a payload follows.
     def isend(self, *tensors: torch.Tensor, first_tag: int = 0) -> list[dist.Work]:
+        self._check()
         send = self.pg.send  # type: ignore[attr-defined]  # the C++ group's own send
         return [send([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
 
     def irecv(self, *tensors: torch.Tensor, first_tag: int = 0) -> list[dist.Work]:
+        self._check()
         recv = self.pg.recv  # type: ignore[attr-defined]
         return [recv([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
 
     def send(self, *tensors: torch.Tensor, first_tag: int = 0) -> None:
-        for work in self.isend(*tensors, first_tag=first_tag):
-            work.wait()
+        self.wait(self.isend(*tensors, first_tag=first_tag))
 
     def recv(self, *tensors: torch.Tensor, first_tag: int = 0) -> None:
-        for work in self.irecv(*tensors, first_tag=first_tag):
-            work.wait()
+        self.wait(self.irecv(*tensors, first_tag=first_tag))
+
+    def wait(self, works: Sequence[dist.Work]) -> None:
+        """Until every op in ``works`` is done; raises as the op does, or PeerDied once the
+        launcher has said the peer is dead."""
+        if self.peer_key is None:
+            for work in works:
+                work.wait()
+            return
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=_waiter, args=(self._jobs,), daemon=True,
+                             name="scaletrain-link-wait").start()  # fmt: skip
+        job = _Wait(works)
+        self._jobs.put(job)
+        while not job.done.wait(WATCH_S):
+            if self.store.check([self.peer_key]):
+                cause = self.store.get(self.peer_key).decode()
+                self.broken = f"the peer process died ({cause}) with an operation pending"
+                raise PeerDied(self.broken)
+        if job.error is not None:
+            raise job.error
+
+    def close(self) -> None:
+        """Let the waiting thread go (at once when idle; an abandoned wait ends at the
+        link timeout)."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
+    def _check(self) -> None:
+        if self.broken:
+            raise PeerDied(self.broken)
+
+
+class _Wait:
+    def __init__(self, works: Sequence[dist.Work]) -> None:
+        self.works, self.done = works, threading.Event()
+        self.error: BaseException | None = None
+
+
+def _waiter(jobs: queue.SimpleQueue[_Wait | None]) -> None:
+    """A link's waiting thread: one job at a time, until told to stop (None)."""
+    while (job := jobs.get()) is not None:
+        try:
+            for work in job.works:
+                work.wait()
+        except BaseException as e:  # handed to the caller, which raises it
+            job.error = e
+        job.done.set()

@@ -7,8 +7,9 @@ its slice of the gradient (non-blocking sends on separate links) and waits for a
 which carry the updated slices and, from server 0, the next lease. How long a reply is held
 (a bsp barrier, an ssp bound) is ``wait_s``; the rest of the round trip is ``comm_s``.
 
-A server that fails (its link raises) is waited for: the worker polls the store until the
-server announces a new incarnation, then joins it again. Under bsp a reply that says the
+A server that fails (its link raises, or the launcher says it died: transport.PeerDied) is
+waited for: the worker polls the store until the server announces a new incarnation, then
+joins it again. Under bsp a reply that says the
 worker was dropped (it stayed silent past the barrier timeout) makes it join again.
 Its metrics.jsonl record (one per push) carries ``committed`` (whether server 0 applied it:
 only then did its samples train), ``staleness``: how many updates the servers applied
@@ -175,7 +176,8 @@ class PSWorkerStrategy(Strategy):
                 "(give every node the same --join-token-file)"
             )
         link = tp.Link(self.new_store(), f"ps/link/s{k}.{inc}/w{self.worker}.{self.attempt}",
-                       server_side=False, timeout_s=self.cfg.launch.timeout_s)  # fmt: skip
+                       server_side=False, timeout_s=self.cfg.launch.timeout_s,
+                       peer=(self.num_workers + k, inc))  # fmt: skip
         self.incarnation[k], self.links[k] = inc, link
         return link
 
@@ -190,7 +192,12 @@ class PSWorkerStrategy(Strategy):
                 return self._receive(k)
             except RuntimeError as e:
                 log.warning("server %d lost during hello: %s", k, str(e).splitlines()[0][:160])
-                self.links.pop(k, None)
+                self._drop_link(k)
+
+    def _drop_link(self, k: int) -> None:
+        link = self.links.pop(k, None)
+        if link is not None:
+            link.close()
 
     def _join(self) -> None:
         """Join every server: server 0 first (it deals the lease whose step the others need)."""
@@ -306,6 +313,7 @@ class PSWorkerStrategy(Strategy):
                 link.send(tp.header(kind=tp.Kind.DONE, worker=self.worker))
             except RuntimeError:
                 log.warning("server %d gone at the end", k)
+            link.close()
 
     def _exchange(
         self, step: int, num_samples: int, grad: torch.Tensor
@@ -323,22 +331,22 @@ class PSWorkerStrategy(Strategy):
             bufs = self._buffers(k)
             try:
                 works = self.links[k].isend(h, grad[lo:hi]) + self.links[k].irecv(*bufs)
-            except RuntimeError:
+            except RuntimeError as e:
+                log.warning("server %d lost: %s", k, str(e).splitlines()[0][:160])
                 lost.append(k)
                 continue
             pending[k] = (works, bufs)
         heads = {}
         for k, (works, bufs) in pending.items():
             try:
-                for work in works:
-                    work.wait()
+                self.links[k].wait(works)
             except RuntimeError as e:
                 log.warning("server %d lost: %s", k, str(e).splitlines()[0][:160])
                 lost.append(k)
                 continue
             heads[k] = self._accept_reply(k, bufs)
         for k in lost:
-            self.links.pop(k, None)
+            self._drop_link(k)
         if 0 in lost:  # server 0 lost the push with the lease: it deals a new one on rejoin
             self.lease = None
             self._hello(0, 0)
