@@ -29,6 +29,28 @@ def test_inplace_death_is_timed_to_the_first_quorum_without_it_and_its_rejoin():
     assert entry["lost_steps"] == 0
 
 
+def test_inplace_second_death_is_timed_from_the_world_it_left_not_the_largest():
+    """Three replicas; rank 2 dies after step 8, then rank 1's cable is cut mid-all-reduce of
+    step 29: rank 0 got rank 1's bytes and committed step 29 with 2 participants, rank 1 never
+    got rank 0's and recorded nothing more. The entry is rank 0's first step without rank 1
+    (step 30, alone), not step 29: rank 1 left a world of 2, though it once trained in 3.
+    (Times as a stress round recorded them.)"""
+    records = [step(r, s, 100.0 + s, 3) for r in range(3) for s in range(1, 9)]
+    records += [step(r, s, 100.0 + s, 2) for r in (0, 1) for s in range(9, 29)]
+    records += [step(0, 29, 129.1, 2), step(0, 30, 129.7, 1, step_s=0.6, quorum_s=0.58)]
+    records += [step(0, s, 129.7 + s / 100, 1) for s in range(31, 40)]
+    deaths = [
+        {"rank": 2, "attempt": 0, "died_at": 108.5, "cause": "left", "restarted": False},
+        {"rank": 1, "attempt": 0, "died_at": 128.6, "cause": "left", "restarted": False},
+    ]  # fmt: skip
+    killed, cut = inplace_recoveries(deaths, records, world=3)
+    assert killed["rank"] == 2 and killed["world_size"] == 2 and killed["step"] == 8
+    assert cut["rank"] == 1 and cut["failed_step"] == 29
+    assert cut["world_size"] == 1 and cut["step"] == 29
+    # Step 30 began at 129.1, its quorum ended at 129.68: 1.08 s after the cut.
+    assert abs(cut["detected_s"] - (129.68 - 128.6)) < 1e-9
+
+
 def test_ps_worker_and_server_deaths_and_a_bsp_drop():
     records = [step(w, s, 10.0 + s, 0) for w in (0, 1) for s in range(1, 4)]
     records += [step(1, 7, 19.0, 0, attempt=1)]

@@ -177,10 +177,13 @@ def inplace_recoveries(deaths: list[Record], records: list[Record], world: int) 
         # network and noticed late) is timed from its last step.
         died = min(died, max((r["unix_time"] for r in mine), default=died) + 1.0)
         failed = failed_step(mine)
-        before = max((r["participants"] for r in mine), default=world)
+        # The world it left: that of its last step (not its largest: a replica that died
+        # after an earlier death left a smaller world than it once trained in).
+        before = max(mine, key=lambda r: r["step"])["participants"] if mine else world
         # The others' steps from the one it did not record: the first with fewer
         # participants is the first without it (it may have died after committing a
-        # step, before writing its record).
+        # step, before writing its record; or the others may have committed the step it
+        # failed, its last bytes lost with its network).
         later = sorted((r for r in records if r["rank"] != rank and r["step"] >= failed),
                        key=lambda r: r["unix_time"])  # fmt: skip
         after = [r for r in later if r["participants"] < before] or later
