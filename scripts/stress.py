@@ -16,9 +16,11 @@ Exit status: 0 when every test passed every round, 1 otherwise.
 
 Rounds add up across invocations: every round of a clean checkout (no tracked file changed)
 is appended to runs/stress/ledger.jsonl under its commit, and the summary ends with the
-pass counts of every round recorded for the commit being tested, so 20 rounds can be run as
-8 today and 12 tomorrow on the same code. A round of a modified tree is not recorded: it
-tests code that no commit names.
+pass counts of every round recorded for the code being tested, so 20 rounds can be run as
+8 today and 12 tomorrow on the same code. "The same code" is every tracked file but the
+documentation and this runner (see NOT_UNDER_TEST): a commit that only fixes the README
+keeps the rounds of its parent, one that changes a line of src/ or tests/ starts from none.
+A round of a modified tree is not recorded: it tests code that no commit names.
 
     python scripts/stress.py [--rounds N] [--draws D] [--seed S] [-- extra pytest args]
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import os
 import re
 import subprocess
@@ -64,20 +67,55 @@ NOT_FAULT_TESTS = [
 ]
 # pytest -rA's short summary: "PASSED tests/...::name", "FAILED tests/...::name - reason".
 RESULT = re.compile(r"^(PASSED|FAILED|ERROR) (tests/\S+::\S+)", re.M)
+# Tracked files a round does not test: the documentation, this runner and its own unit test
+# (which no round runs). Two commits that differ only in these run the same code.
+NOT_UNDER_TEST = ("README.md", "docs/", "scripts/stress.py", "tests/unit/test_stress_ledger.py")
 
 
-def clean_commit() -> str | None:
+def git(*args: str, repo: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
+def clean_commit(repo: Path = REPO) -> str | None:
     """HEAD's commit when no tracked file differs from it, else None."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
-
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return None if dirty else git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", repo=repo)
+        return None if dirty else git("rev-parse", "HEAD", repo=repo)
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def under_test(path: str) -> bool:
+    return not any(path == p or (p.endswith("/") and path.startswith(p)) for p in NOT_UNDER_TEST)
+
+
+def code_of(commit: str, repo: Path = REPO) -> str | None:
+    """A digest of the files under test in that commit (path, mode and content of each), or
+    None when git does not know the commit (a ledger copied from another clone)."""
+    try:
+        listing = git("ls-tree", "-r", "--full-tree", commit, repo=repo)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    kept = [line for line in listing.splitlines() if under_test(line.split("\t", 1)[1])]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()
+
+
+def rounds_of_the_same_code(records: list[dict], commit: str, repo: Path = REPO) -> list[dict]:
+    """The ledger's full rounds (no extra pytest arguments) of `commit` and of every commit
+    whose files under test are identical to its. A commit git does not know matches only
+    itself."""
+    code: dict[str, str | None] = {}
+
+    def same(other: str) -> bool:
+        if other == commit:
+            return True
+        for c in (commit, other):
+            if c not in code:
+                code[c] = code_of(c, repo)
+        return code[commit] is not None and code[other] == code[commit]
+
+    return [r for r in records if not r.get("pytest_args") and same(r.get("commit", ""))]
 
 
 def name_of(test: str) -> str:
@@ -141,16 +179,18 @@ def main() -> int:
             })  # fmt: skip
     print_counts("passes per test", runs, passed)
     if commit is not None:
-        rounds = [r for r in read_jsonl(LEDGER)
-                  if r.get("commit") == commit and not r.get("pytest_args")]  # fmt: skip
+        rounds = rounds_of_the_same_code(read_jsonl(LEDGER), commit)
+        commits = collections.Counter(r["commit"][:12] for r in rounds)
         all_runs: collections.Counter[str] = collections.Counter()
         all_passed: collections.Counter[str] = collections.Counter()
         for record in rounds:
             for outcome, test in record["results"]:
                 all_runs[name_of(test)] += 1
                 all_passed[name_of(test)] += outcome == "PASSED"
-        print_counts(f"every round recorded for commit {commit[:12]} ({len(rounds)} rounds, "
-                     f"{sum(r['exit'] != 0 for r in rounds)} of them failing)",
+        print_counts(f"every round recorded for the code of commit {commit[:12]} ({len(rounds)} "
+                     f"rounds, {sum(r['exit'] != 0 for r in rounds)} of them failing; by commit, "
+                     f"each with the same files under test: "
+                     f"{', '.join(f'{c} {n}' for c, n in commits.items())})",
                      all_runs, all_passed)  # fmt: skip
     else:
         print("\n(a modified checkout: these rounds are not recorded in the ledger)")
