@@ -52,6 +52,22 @@ def test_accumulation_over_workers_equals_one_big_batch(tmp_path, single):
     assert {r["collectives"] for r in records if r["rank"] == 0} == {1}
 
 
+def test_fsdp_accumulates_when_ranks_have_fewer_samples_than_micro_batches(tmp_path):
+    """4 fsdp ranks x 2 micro-batches x 1 sample == 1 process x 8. The last step of each
+    epoch has 6 samples (110 = 13 x 8 + 6): ranks 0-1 hold 2, ranks 2-3 hold 1. FSDP
+    all-gathers in every micro-batch's forward and backward, so ranks 2-3 pad theirs with a
+    zero-weight stand-in; without it their collectives ran short of ranks 0-1's and the
+    step hung (the watchdog, set short here, turns that into a failed run)."""
+    ref, _, _ = train(tmp_path / "one", batch_size=8)
+    weights, summary, records = train(tmp_path / "fsdp", strategy="fsdp", nproc_per_node=4,
+                                      batch_size=1, grad_accum=2, hang_timeout_s=60)  # fmt: skip
+    assert summary["steps"] == 2 * 14
+    assert max_diff(weights, ref) <= 1e-5
+    # The uneven steps trained with both ranks' samples: 6 a step, not 4 or 8.
+    uneven = {r["step"]: r["global_samples"] for r in records if r["step"] in (14, 28)}
+    assert uneven == {14: 6, 28: 6}
+
+
 def test_clipping_uses_the_norm_over_all_ranks(tmp_path):
     """Clipped hard (every step's norm is above 0.2), 2 ddp workers, 2 fsdp ranks and a
     pipeline of 2 stages end with one process's weights: the norm each clips by is the

@@ -76,6 +76,23 @@ def test_micro_batches_cover_the_share_once_and_weigh_to_one(num_samples, parts)
         assert weights == [len(m[1]) / num_samples for m in micros]
 
 
+@pytest.mark.parametrize(("num_samples", "parts"), [(1, 2), (2, 4), (7, 3), (0, 3)])
+def test_padded_micro_batches_are_always_parts_and_the_stand_ins_weigh_nothing(num_samples,
+                                                                               parts):  # fmt: skip
+    """FSDP's count: every rank runs --grad-accum micro-batches whatever its samples."""
+    n = max(num_samples, 1)
+    inputs, targets = torch.arange(n) * 10, torch.arange(n) + 100
+
+    def as_lists(micros):
+        return [(x.tolist(), y.tolist(), weight) for x, y, weight in micros]
+
+    plain = as_lists(micro_batches(inputs, targets, num_samples, parts))
+    padded = as_lists(micro_batches(inputs, targets, num_samples, parts, pad=True))
+    real = plain if num_samples else []  # a rank without samples has only stand-ins
+    assert len(padded) == parts and padded[: len(real)] == real
+    assert all(m == ([0], [100], 0.0) for m in padded[len(real) :])
+
+
 def test_slice_batch_leaves_non_tensors():
     assert slice_batch([torch.arange(5), 3, None], 1, 3)[1:] == [3, None]
 

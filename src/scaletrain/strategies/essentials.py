@@ -15,6 +15,12 @@ writing forward, backward and ``optimizer.step()`` itself.
   weighted by its share of the rank's samples times the strategy's sample weight, so the sum
   of their gradients is exactly the gradient of the step's sample-weighted mean. The
   strategy's ``no_sync`` context keeps DDP (or FSDP) from synchronizing but on the last.
+  Where the forward itself communicates over ranks that hold different samples (FSDP
+  all-gathers each unit's parameters in every forward and backward), every rank must run
+  the same number of micro-batches: a rank with fewer samples than --grad-accum in a step
+  (an uneven last step, --balance) fills the empty ones with zero-weight stand-ins
+  (``same_micro_batch_count``). Skipping them instead left that rank's all-gathers short
+  of the others' and the step hung.
 - Clipping: the norm over every rank's gradient (``clip_gradients``: torch's clip_grad_norm_,
   which reduces DTensor shards over their mesh; strategies whose gradients are split another
   way override it), measured after the gradients are synchronized, before the update; it
@@ -49,11 +55,16 @@ def slice_batch(obj: Any, lo: int, hi: int) -> Any:
     return obj
 
 
-def micro_batches(inputs: Any, targets: Any, num_samples: int, parts: int) -> Iterator[Any]:
+def micro_batches(
+    inputs: Any, targets: Any, num_samples: int, parts: int, pad: bool = False
+) -> Iterator[Any]:
     """(inputs, targets, share of the rank's samples) of each non-empty micro-batch. A rank
-    with no sample of its own (it holds one zero-weight stand-in) has one, of weight 0."""
+    with no sample of its own (it holds one zero-weight stand-in) has one, of weight 0.
+    With ``pad``, always ``parts`` micro-batches: the empty ones are the rank's first sample
+    again, of weight 0 (a forward and backward that adds nothing but the collectives)."""
     if num_samples == 0:
-        yield inputs, targets, 0.0
+        for _ in range(parts if pad else 1):
+            yield inputs, targets, 0.0
         return
     lo = 0
     for count in split_counts(num_samples, parts):
@@ -61,6 +72,8 @@ def micro_batches(inputs: Any, targets: Any, num_samples: int, parts: int) -> It
             yield (slice_batch(inputs, lo, lo + count), slice_batch(targets, lo, lo + count),
                    count / num_samples)  # fmt: skip
             lo += count
+        elif pad:
+            yield slice_batch(inputs, 0, 1), slice_batch(targets, 0, 1), 0.0
 
 
 class StepEssentials:
@@ -73,6 +86,9 @@ class StepEssentials:
     grad_accum_refusal: ClassVar[str] = ""
     compile_refusal: ClassVar[str] = ""
     balance_refusal: ClassVar[str] = ""
+    # Every rank runs --grad-accum micro-batches, padding with zero-weight stand-ins: for a
+    # strategy whose forward or backward communicates over ranks with different samples.
+    same_micro_batch_count: ClassVar[bool] = False
     cfg: Any
     ctx: Any
 
@@ -126,7 +142,8 @@ class StepEssentials:
         """Forward and backward of this rank's share (``num_samples`` samples) as --grad-accum
         micro-batches, each loss weighted by its share times ``weight`` (the strategy's sample
         weight); returns the mean loss over the share (detached)."""
-        parts = list(micro_batches(inputs, targets, num_samples, self.cfg.train.grad_accum))
+        parts = list(micro_batches(inputs, targets, num_samples, self.cfg.train.grad_accum,
+                                   pad=self.same_micro_batch_count))  # fmt: skip
         total = torch.zeros((), device=self.ctx.device)
         for i, (x, y, share) in enumerate(parts):
             last = i == len(parts) - 1
@@ -137,7 +154,7 @@ class StepEssentials:
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
                 scaled.backward()
-            total = total + loss.detach().float() * (share if num_samples else 1.0)
+            total = total + loss.detach().float() * (share if num_samples else 1 / len(parts))
         return total
 
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> float:

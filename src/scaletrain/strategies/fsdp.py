@@ -89,6 +89,8 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 class FSDPStrategy(Strategy):
     collective = "FSDP parameter all-gather / gradient reduce-scatter"
+    # Each micro-batch's forward and backward all-gather every unit over "dp".
+    same_micro_batch_count = True
     collective_state_dict = True
 
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:

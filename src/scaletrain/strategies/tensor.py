@@ -51,6 +51,9 @@ class TensorStrategy(FSDPStrategy):
     collective = "tensor-parallel all-reduce"
     compile_refusal = "compiling DTensor-parallel layers is not supported here yet"
     balance_refusal = "a tensor-parallel group shares one batch; not balanced here yet"
+    # Its forward communicates only inside a tensor-parallel group, whose ranks share one
+    # batch; the replicas average gradients once, after the last micro-batch.
+    same_micro_batch_count = False
 
     @classmethod
     def checks_model(cls, cfg: RunConfig) -> bool:
