@@ -266,6 +266,12 @@ def fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from scaletrain.launch.leaving import leave
+
+    return leave(run_command(argv))
+
+
+def run_command(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
     from scaletrain.launch import InternalFailure, LaunchFailed, Preempted, WorkerFailed

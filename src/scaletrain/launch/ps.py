@@ -37,6 +37,10 @@ from scaletrain.strategies.param_server.admission import launcher_token
 
 # How long servers get to write their final slices once told to finish.
 FINISH_GRACE_S = 60.0
+# How long one of the beat thread's store calls may take: on a live link they answer in
+# milliseconds; a refused or unreachable store is an error within this bound (a reply that
+# never comes on a cut link is not: see close()).
+BEAT_CALL_S = 5.0
 
 
 class PSFailed(RuntimeError):
@@ -90,9 +94,13 @@ class PSFleet(JobFleet):
         self._deaths_to_publish: dict[str, str] = {}  # death notices, likewise
         self._beat_ok = time.monotonic()
         self.cut_off = False
+        self._stop_beat = threading.Event()
+        self._beat_thread: threading.Thread | None = None
         if self.nnodes > 1 and not self.is_head:
-            threading.Thread(target=self._beat, args=(host, int(port)), daemon=True,
-                             name="scaletrain-ps-beat").start()  # fmt: skip
+            self._beat_thread = threading.Thread(
+                target=self._beat, args=(host, int(port)), daemon=True, name="scaletrain-ps-beat"
+            )
+            self._beat_thread.start()
 
     def _beat(self, host: str, port: int) -> None:
         from datetime import timedelta
@@ -100,11 +108,11 @@ class PSFleet(JobFleet):
         from torch.distributed import TCPStore
 
         store = None
-        while True:
+        while not self._stop_beat.is_set():
             try:
                 if store is None:
-                    store = TCPStore(host, port, is_master=False,
-                                     timeout=timedelta(seconds=self.silence_s))  # fmt: skip
+                    timeout = timedelta(seconds=min(BEAT_CALL_S, self.silence_s))
+                    store = TCPStore(host, port, is_master=False, timeout=timeout)
                 for key, cause in list(self._deaths_to_publish.items()):
                     store.set(key, cause)
                     del self._deaths_to_publish[key]
@@ -117,7 +125,21 @@ class PSFleet(JobFleet):
                 self._beat_ok = time.monotonic()
             except Exception:  # node 0 unreachable: keep trying; keep_running gives up
                 store = None
-            time.sleep(1.0)
+            self._stop_beat.wait(1.0)
+
+    def close(self) -> None:
+        """Stop the beat thread once this node's part is over. It must not outlive the
+        launcher: node 0 closes its store when the job ends, and a thread still calling it
+        at interpreter exit aborts the process. A thread that does not stop in time is inside
+        a call on a cut link that may never return: leaving.mark_stuck has the command line
+        exit past it."""
+        from scaletrain.launch.leaving import mark_stuck
+
+        self._stop_beat.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join(2 * BEAT_CALL_S)
+            if self._beat_thread.is_alive():
+                mark_stuck(self._beat_thread)
 
     def node_ranks(self, node: int) -> range:
         return range(node * len(self.local), (node + 1) * len(self.local))
@@ -332,8 +354,11 @@ def run_ps(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]
 
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
     fleet = PSFleet(cfg, run_dir)
-    with ProgressView(run_dir / "metrics.jsonl", enabled=show_progress):
-        fleet.run()
+    try:
+        with ProgressView(run_dir / "metrics.jsonl", enabled=show_progress):
+            fleet.run()
+    finally:
+        fleet.close()
     try:
         fleet.check()
     except PSFailed as e:

@@ -1,0 +1,38 @@
+"""How the launcher's process leaves when one of its helper threads cannot stop.
+
+A helper thread inside a blocking store call on a cut link may never return (torch's
+TCPStore client waits in recv() without a timeout when the store's host is cut off). Left to
+interpreter finalization, such a daemon thread is forced out of its C++ frames when it next
+takes the GIL, and the process aborts ("terminate called without an active exception",
+exit -6) after the run has finished well. The thread's owner marks it here; the command
+line then leaves with os._exit once everything it printed is flushed (files the run wrote
+are renamed into place before; io.atomic_write_*). A caller of the Python API keeps its
+process: the thread stays behind, parked in its call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+_STUCK: list[threading.Thread] = []
+
+
+def mark_stuck(thread: threading.Thread) -> None:
+    """``thread`` did not stop when asked: it is inside a call that may never return."""
+    _STUCK.append(thread)
+
+
+def any_stuck() -> bool:
+    return any(t.is_alive() for t in _STUCK)
+
+
+def leave(code: int) -> int:
+    """The command line's exit: ``code``, past interpreter finalization if a marked thread
+    is still inside its call; otherwise returns ``code`` for sys.exit."""
+    if any_stuck():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
