@@ -2,7 +2,7 @@
 
 Every round is one pytest process over the fault tests (worker kills and hangs, damaged
 checkpoints, node loss, parameter-server worker and server kills, a link's peer killed
-mid-message, in-place recovery, whole
+mid-message, a node's beat to node 0 cut or orphaned, in-place recovery, whole
 jobs preempted or killed and run again, the multi-host lab when it can run; not the tests
 there that inject no fault), with a new
 SCALETRAIN_STRESS_SEED, so the bitwise-resume property test draws new configurations and
@@ -48,6 +48,7 @@ FAULT_TESTS = [
     "tests/dist/test_param_server.py",
     "tests/dist/test_ps_server.py",
     "tests/dist/test_ps_transport.py",
+    "tests/dist/test_ps_beat.py",
     "tests/dist/test_inplace.py",
     "tests/dist/test_failures.py",
     "tests/dist/test_jobs.py",
