@@ -71,7 +71,9 @@ class Checkpointing(NoCheckpoints):
         )
         self.writer = AsyncCheckpointer() if fault.checkpoint_async else None
         self.saved_step = -1
-        self.next_step = trainer.progress.step + AUTO_FIRST_STEPS  # auto: the next save
+        # auto: the step of the next save. Set at the first step this process trains: the
+        # loop builds its checkpointer before it resumes, when the progress is still 0.
+        self.next_step: int | None = None
         self.costs: list[float] = []  # seconds each periodic save blocked this rank
         self.step_times: list[float] = []  # seconds between steps, saves left out
         self._last: float | None = None
@@ -86,6 +88,8 @@ class Checkpointing(NoCheckpoints):
             self.step_times.append(now - self._last - self._blocked)
         self._blocked = 0.0
         step = self.trainer.progress.step
+        if self.next_step is None:  # the first step of this process (after any resume)
+            self.next_step = step - 1 + AUTO_FIRST_STEPS
         due = step >= self.next_step if self.auto else bool(self.every) and step % self.every == 0
         if due:
             self._blocked = self.save(background=self.writer is not None, periodic=True)
@@ -99,8 +103,11 @@ class Checkpointing(NoCheckpoints):
         """The next save's step, from the costs measured so far: the same on every rank (the
         larger of the ranks' medians), so all save at the same steps."""
         t = self.trainer
+        if not self.step_times:  # no step time measured yet: measure some first
+            self.next_step = t.progress.step + AUTO_FIRST_STEPS
+            return
         measured = torch.tensor(
-            [statistics.median(self.costs), statistics.median(self.step_times[-50:] or [0.0])],
+            [statistics.median(self.costs), statistics.median(self.step_times[-50:])],
             dtype=torch.float64,
         )
         if t.ctx.world_size > 1:

@@ -65,6 +65,14 @@ def test_tensor_parallel_times_data_parallel(tmp_path, single, strategy):
     assert summary["global_batch_size"] == GLOBAL_BATCH
 
 
+def test_tensor_parallel_accumulates_micro_batches(tmp_path, single):
+    """--grad-accum under tensor parallelism: 2 micro-batches of 6 on one tp=2 group train as
+    one process with 12 (its no_sync was FSDP's, which a DTensor-parallel model lacks)."""
+    run = train(tmp_path, 2, SAMPLES, strategy="tensor", tp=2, batch_size=GLOBAL_BATCH // 2,
+                grad_accum=2, **TRANSFORMER)  # fmt: skip
+    assert_same_training(single, run)
+
+
 def transformer(width: int = 32) -> nn.Module:
     return build_model("transformer", (1, 8, 8), 10, width)
 

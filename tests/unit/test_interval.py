@@ -33,3 +33,47 @@ def test_checkpoint_every_takes_a_number_or_auto_with_an_mtbf():
         with_overrides(RunConfig(), {"checkpoint_every": "auto"})
     with pytest.raises(ValueError, match="checkpoint_every: must be a number of steps"):
         with_overrides(RunConfig(), {"checkpoint_every": "often"})
+
+
+class _SaveRecorder:
+    """The auto interval's bookkeeping (checkpointing.Checkpointing) with the save itself
+    recorded instead of written, over a trainer that resumed at ``resumed_at``."""
+
+    def __init__(self, resumed_at: int):
+        from types import SimpleNamespace
+
+        from scaletrain.checkpointing import Checkpointing
+
+        cfg = with_overrides(RunConfig(), {"checkpoint_every": "auto", "mtbf_s": 3600.0})
+        # Built before the resume, as the loop builds it (progress still 0).
+        self.trainer = SimpleNamespace(cfg=cfg, progress=SimpleNamespace(step=0),
+                                       ctx=SimpleNamespace(world_size=1))  # fmt: skip
+        self.saved: list[int] = []
+        checkpoints = Checkpointing(self.trainer)  # type: ignore[arg-type]
+
+        def save(*, background=False, periodic=False):
+            self.saved.append(self.trainer.progress.step)
+            return 0.05
+
+        checkpoints.save = save  # type: ignore[method-assign]
+        self.checkpoints = checkpoints
+        self.trainer.progress.step = resumed_at
+
+    def train(self, steps: int) -> list[int]:
+        for _ in range(steps):
+            self.trainer.progress.step += 1
+            self.checkpoints.maybe_save()
+        return self.saved
+
+
+@pytest.mark.parametrize("resumed_at", [0, 40])
+def test_auto_measures_before_its_first_save_after_a_resume_too(resumed_at):
+    """The first save comes AUTO_FIRST_STEPS steps into this process's training, whether it
+    started at step 0 or resumed at 40; the next is planned from measured step times, never
+    from none (which made it save at two steps in a row after a resume)."""
+    from scaletrain.checkpointing import AUTO_FIRST_STEPS
+
+    saved = _SaveRecorder(resumed_at).train(3 * AUTO_FIRST_STEPS)
+    assert saved[0] == resumed_at + AUTO_FIRST_STEPS
+    gaps = [b - a for a, b in zip(saved, saved[1:], strict=False)]
+    assert all(gap > 1 for gap in gaps), saved

@@ -102,16 +102,13 @@ CELLS: dict[tuple[str, str], str | tuple[str, str]] = {
         INPLACE + "test_survivors_continue_and_a_restarted_worker_rejoins",
         '"test_accuracy"',
     ),
-    # The servers checkpoint every N of their updates; they always write in the background,
-    # so --checkpoint-async asks for what they do anyway.
+    # The servers checkpoint every N of their updates.
     ("ps", "checkpoint-every"): (
         PS + "test_ssp_server_killed_restarts_from_its_checkpoint",
         '"--checkpoint-every"',
     ),
-    ("ps", "checkpoint-async"): (
-        PS + "test_ssp_server_killed_restarts_from_its_checkpoint",
-        '"--checkpoint-every"',
-    ),
+    # They always write in the background: the flag would ask for nothing.
+    ("ps", "checkpoint-async"): REFUSED,
     ("ps", "hang-timeout"): REFUSED,  # --barrier-timeout-s and --timeout-s drop silent peers
     ("ps", "max-steps"): (PS + "test_bsp_equals_synchronous_data_parallel", '"--max-steps"'),
     ("ps", "inject kill"): (

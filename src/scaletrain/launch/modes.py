@@ -77,6 +77,11 @@ def refusals(cfg: RunConfig) -> list[str]:
                 f"checkpoint_every: under {name} the servers checkpoint every N of their own "
                 "updates; auto sets the training loop's interval: pass a number"
             )
+        if cfg.fault.checkpoint_async:
+            out.append(
+                f"checkpoint_async: under {name} the servers always write their checkpoints "
+                "in the background (a worker never waits for one); drop --checkpoint-async"
+            )
         if cfg.fault.recovery != "restart":
             out.append(
                 "recovery: the parameter server recovers its own way (a dead worker's data is "

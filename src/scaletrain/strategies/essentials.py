@@ -107,6 +107,12 @@ class StepEssentials:
             raise ValueError(f"grad_accum: under --strategy {name} {cls.grad_accum_refusal}")
         if cfg.train.compile and cls.compile_refusal:
             raise ValueError(f"compile: under --strategy {name} {cls.compile_refusal}")
+        if cfg.train.compile and cfg.parallel.tp > 1:  # fsdp x tensor: the same DTensor layers
+            raise ValueError(
+                f"compile: under --strategy {name} --tp {cfg.parallel.tp} the layers are "
+                "DTensor-parallel, and compiling those is not supported here yet; drop "
+                "--compile or --tp"
+            )
         if cfg.train.balance != "none" and (cls.balance_refusal or cfg.parallel.tp > 1):
             why = cls.balance_refusal or "a tensor-parallel group shares one batch (--tp)"
             raise ValueError(f"balance: under --strategy {name} {why}")

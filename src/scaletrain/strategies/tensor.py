@@ -23,6 +23,7 @@ matching column-split input gradient backward, both the size of the layer's outp
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Any
@@ -58,6 +59,12 @@ class TensorStrategy(FSDPStrategy):
     @classmethod
     def checks_model(cls, cfg: RunConfig) -> bool:
         return True
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Nothing to hold back: the replicas average gradients in the step, after the last
+        micro-batch (``_average_gradients``); backward itself syncs only inside a group. (The
+        model is not FSDP's, so fsdp.py's no_sync does not apply.)"""
+        return contextlib.nullcontext()
 
     @classmethod
     def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
