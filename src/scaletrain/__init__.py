@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 from scaletrain.config import RunConfig  # noqa: E402
-from scaletrain.task import Task  # noqa: E402
+
+if TYPE_CHECKING:
+    from scaletrain.task import Task
 
 __all__ = ["RunConfig", "Task", "__version__", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    # Task imports torch (1.5 s): only when asked for, so that the command line can put its
+    # signal handlers in place before that (launch/signals.py).
+    if name == "Task":
+        from scaletrain.task import Task
+
+        return Task
+    raise AttributeError(f"module 'scaletrain' has no attribute {name!r}")
 
 
 def run(cfg: RunConfig, *, show_progress: bool = True) -> dict:  # type: ignore[type-arg]

@@ -143,6 +143,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.command == "demo" and cfg.fault.inject:
         print(f"demo: injecting {cfg.fault.inject} to show a failure and its recovery")
     summary = run(cfg)
+    if summary.get("already_complete"):
+        steps = summary.get("steps")
+        print(f"the job in {summary['run_dir']} is complete (it trained {steps} steps); nothing "
+              "to do. To train it further raise --epochs or --max-steps.")  # fmt: skip
+        return 0
     if "strategy" in summary:
         render_summary(summary, Console())
         if args.command == "demo":
@@ -266,6 +271,13 @@ def fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] in (["run"], ["demo"]):
+        # First: a preemption signal at any moment of a run is answered (exit 3, or 0 once
+        # the job finished), never the default death by SIGTERM (launch/signals.py).
+        from scaletrain.launch.signals import GUARD
+
+        GUARD.install()
     from scaletrain.launch.leaving import leave
 
     return leave(run_command(argv))

@@ -101,6 +101,9 @@ class World(ABC):
 
 
 class GroupWorld(World):
+    def __init__(self) -> None:
+        self._checked = False  # whether this process has checked for a preemption yet
+
     def checkpointing(self, trainer: Trainer) -> NoCheckpoints:
         from scaletrain.checkpointing import Checkpointing
 
@@ -128,9 +131,12 @@ class GroupWorld(World):
     def preempted(self, trainer: Trainer) -> bool:
         """Every --preempt-check-every steps the ranks agree (one all-reduce of a flag: some
         rank sees logs/preempt.json, which the launcher writes when it is signalled), so all
-        stop after the same step; in between a request waits, which costs no collective."""
+        stop after the same step; in between a request waits, which costs no collective.
+        Also after the first step of every attempt: a request that came while the workers
+        started (or rendezvoused again) stops them after one step, not up to N."""
         every = trainer.cfg.fault.preempt_check_every
-        if trainer.progress.step % every:
+        first, self._checked = not self._checked, True
+        if trainer.progress.step % every and not first:
             return False
         asked = preempt_path(trainer.run_dir).exists()
         return not self._all_agree(trainer, not asked)

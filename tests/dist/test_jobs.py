@@ -134,8 +134,10 @@ def test_a_finished_job_trains_further_with_more_epochs(tmp_path, uninterrupted)
     out = tmp_path / "run"
     shorter = [*JOB, "--epochs", "3"]  # the last --epochs wins
     assert run_cli("run", *shorter, "--out", str(out)).returncode == 0
-    refused = run_cli("run", *shorter, "--out", str(out))
-    assert refused.returncode == 2 and "already holds a run that finished" in refused.stderr
+    again = run_cli("run", *shorter, "--out", str(out))  # a requeue after the end: no error
+    assert again.returncode == 0 and "is complete" in again.stdout, again.stderr
+    changed = run_cli("run", *shorter, "--lr", "0.1", "--out", str(out))
+    assert changed.returncode == 2 and "resumes only with the same math" in changed.stderr
     result = run_cli("run", *JOB, "--out", str(out))
     assert result.returncode == 0, result.stderr
     got = summary(out)

@@ -99,21 +99,55 @@ def runner(mode: str) -> Callable[[RunConfig, Path, bool], dict[str, Any]]:
     return run_restart
 
 
+def fleet_stopper(run_dir: Path) -> Callable[[int, Any], None]:
+    """What a preemption signal does under --recovery inplace or --strategy ps: their jobs
+    cannot be continued once they trained (launch/jobs.py), so the launcher stops its
+    processes now (the fleet's clean-up) and says so; before the first step the same command
+    starts the job again, which is a preemption like any other."""
+
+    def stop(signum: int, frame: Any) -> None:
+        import signal
+
+        name = signal.Signals(signum).name
+        if not (run_dir / "metrics.jsonl").exists():
+            raise Preempted(
+                f"preempted by {name} before the first step; nothing was trained, so running "
+                "the same command starts the job"
+            )
+        raise LaunchFailed(
+            f"stopped by {name}: the workers were stopped. This mode does not continue a job "
+            "after a preemption yet; the restart mode (the default --recovery) does"
+        )
+
+    return stop
+
+
 def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
     """Launch this node's workers for ``cfg`` and wait for them.
 
     Returns summary.json's contents (empty when rank 0 ran on another node). Raises ValueError
     for bad input (before any worker starts) and WorkerFailed when a worker fails for good.
     """
-    from scaletrain.launch.jobs import end_job_run
+    from scaletrain.launch.jobs import JobComplete, end_job_run
     from scaletrain.launch.modes import mode_of
+    from scaletrain.launch.signals import GUARD
 
     check_names(cfg)
     check_strategy(cfg)
-    cfg, run_dir = prepare_run_dir(cfg)
-    head = cfg.launch.node_rank == 0  # node 0 keeps the job's record of its runs
+    GUARD.check("before the job started")
     try:
-        summary = runner(mode_of(cfg))(cfg, run_dir, show_progress)
+        cfg, run_dir = prepare_run_dir(cfg)
+    except JobComplete as done:
+        return done.summary
+    head = cfg.launch.node_rank == 0  # node 0 keeps the job's record of its runs
+    mode = mode_of(cfg)
+    try:
+        GUARD.check("before any worker started")
+        if mode == "restart":  # its agent responds to preemption signals (agent.py)
+            summary = runner(mode)(cfg, run_dir, show_progress)
+        else:
+            with GUARD.responding(fleet_stopper(run_dir)):
+                summary = runner(mode)(cfg, run_dir, show_progress)
     except Preempted:
         if head:
             end_job_run(run_dir, "preempted")

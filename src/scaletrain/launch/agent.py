@@ -223,17 +223,18 @@ def record_worker_deaths(run_dir: Path, logs: Any) -> Iterator[None]:
 
 # torch's agent turns these into a shutdown of the workers; SIGTERM and SIGUSR1 are ours.
 TORCH_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 @contextlib.contextmanager
 def preemption_signals(run_dir: Path) -> Iterator[None]:
     """SIGTERM or SIGUSR1 to the launcher asks the workers to checkpoint and stop (writes the
     request they look for: fault/preempt.py); a second one stops them now, as torch's agent
-    does for the other signals (SIGTERM, then SIGKILL after its grace period)."""
+    does for the other signals (SIGTERM, then SIGKILL after its grace period). A signal that
+    came before the agent started is handed over here (launch/signals.py)."""
     from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
 
     from scaletrain.fault.preempt import preempt_path, request_preemption
+    from scaletrain.launch.signals import GUARD
 
     def handler(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -243,12 +244,8 @@ def preemption_signals(run_dir: Path) -> Iterator[None]:
         print(f"scaletrain: {name}: the workers checkpoint and stop after their current step "
               "(send it again to stop them now)", file=sys.stderr, flush=True)  # fmt: skip
 
-    saved = {sig: signal.signal(sig, handler) for sig in PREEMPT_SIGNALS}
-    try:
+    with GUARD.responding(handler):
         yield
-    finally:
-        for sig, old in saved.items():
-            signal.signal(sig, old)
 
 
 def ended_elsewhere(run_dir: Path, endpoint: str) -> RuntimeError:

@@ -124,7 +124,7 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
     in the run directory the nodes share: it refuses only a finished run, and keeps the
     job's config.toml (the one every worker reads) when it holds the same configuration."""
     from scaletrain.config import load_toml
-    from scaletrain.launch.jobs import plan_job_run, start_job_run
+    from scaletrain.launch.jobs import JobComplete, plan_job_run, start_job_run
     from scaletrain.launch.modes import mode_of
 
     out = Path(cfg.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
@@ -135,10 +135,12 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunConfig, Path]:
     config = out / "config.toml"
     if joining:
         if (out / "summary.json").exists():
-            raise ValueError(
-                f"out: {out} already holds a run (summary.json exists); pass another --out or "
-                "remove it"
-            )
+            if not config.exists() or load_toml(config).hash() != resolved.hash():
+                raise ValueError(
+                    f"out: {out} already holds a run that finished with another "
+                    "configuration (summary.json exists); pass another --out"
+                )
+            raise JobComplete(out)
     else:
         job = plan_job_run(resolved, out, mode_of(resolved))
     try:

@@ -6,14 +6,16 @@ limit, an eviction) and gives them back later with the same command. So ``scalet
 resume from the newest valid checkpoint (the restart mode's resume, as after a worker death),
 metrics.jsonl goes on (each record carries ``job_run``), and summary.json covers the whole
 history. On a finished job it continues only if the new command trains further (more
---epochs, or a larger --max-steps); otherwise it is refused.
+--epochs, or a larger --max-steps); otherwise the job is complete and there is nothing to do
+(``JobComplete``: exit 0, so a requeue loop that runs the command once more is not failed).
 
 What may change between job runs (config.FREE_FIELDS): how and where it runs (every launch
 flag: more or fewer workers or nodes re-plan the rest of the epoch from the sampler's cursor,
 and fsdp reshards through DCP), how long it trains, what it records and how it checkpoints.
 Anything else is the math of the training (model, data, optimizer, batch, seed, precision,
 strategy, ...): a change is refused, naming the fields. The in-place and parameter-server
-modes do not resume a job yet (their state is in live replicas and the servers): refused.
+modes do not resume a job that trained yet (their state is in live replicas and the
+servers): refused; one preempted before its first step starts again.
 
 logs/job_runs.jsonl has a line when each job run starts (number, time, attempt base, what
 changed) and one when it ends (finished, preempted, failed). Attempts are numbered across the
@@ -28,10 +30,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config import EXTENDS, RunConfig
+from scaletrain.config import RunConfig
 from scaletrain.fault.jobs import current_job_run, job_runs_path
 from scaletrain.fault.preempt import preempt_path
 from scaletrain.io import append_jsonl, read_jsonl
+
+
+class JobComplete(Exception):
+    """The same command on a job that finished: nothing to do, and not an error (a requeue
+    loop that runs it again after the job ended must not turn it into a failure)."""
+
+    def __init__(self, out: Path) -> None:
+        from scaletrain.io import read_json
+
+        super().__init__(f"the job in {out} is complete")
+        self.summary: dict[str, Any] = {
+            **(read_json(out / "summary.json") or {}),
+            "run_dir": str(out),
+            "already_complete": True,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,12 +108,9 @@ def plan_job_run(cfg: RunConfig, out: Path, mode: str) -> JobRun:
         )
     finished = summary.exists()
     if finished and not extends(old, cfg):
-        longer = " or ".join("--" + f.replace("_", "-") for f in EXTENDS)
-        raise ValueError(
-            f"out: {out} already holds a run that finished ({summary} exists) with these "
-            f"settings; to train it further raise {longer}, or pass another --out"
-        )
-    if mode != "restart":
+        raise JobComplete(out)
+    trained = (out / "metrics.jsonl").exists()
+    if mode != "restart" and trained:
         name = "--recovery inplace" if mode == "inplace" else "--strategy ps"
         raise ValueError(
             f"out: {out} holds a job; resuming a job runs in the restart mode (from its "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,11 +61,12 @@ class TensorStrategy(FSDPStrategy):
     def checks_model(cls, cfg: RunConfig) -> bool:
         return True
 
-    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Nothing to hold back: the replicas average gradients in the step, after the last
         micro-batch (``_average_gradients``); backward itself syncs only inside a group. (The
         model is not FSDP's, so fsdp.py's no_sync does not apply.)"""
-        return contextlib.nullcontext()
+        yield
 
     @classmethod
     def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:

@@ -1,0 +1,105 @@
+"""Preemption at any instant: SIGTERM or SIGUSR1 reaches ``scaletrain run`` at a moment chosen
+by an event of the run (its handlers in place, the run directory written, the first step,
+a checkpoint, an evaluation, the last step, summary.json), never by a sleep. Each ends with
+exit 3, or 0 where the job had finished, and the same command then ends the job with the
+weights of the uninterrupted run, bit for bit. Real launchers, real signals, real gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
+from scaletrain.io import read_jsonl
+from tests.conftest import assert_no_orphans, run_cli
+from tests.dist.test_jobs import start
+
+# 2 workers x 16 of 320 digits: 10 steps an epoch, 20 in all; a checkpoint every 5 steps, an
+# evaluation every 6, a preemption check every 4 (and after each attempt's first step).
+JOB = ["--nproc-per-node", "2", "--num-samples", "320", "--batch-size", "16", "--epochs", "2",
+       "--deterministic", "--seed", "5", "--num-threads", "1", "--checkpoint-every", "5",
+       "--eval-every", "6", "--preempt-check-every", "4", "--width", "8"]  # fmt: skip
+TOTAL_STEPS = 20
+
+
+def handlers_in_place(pid: int) -> bool:
+    """Whether process ``pid`` catches SIGTERM (its SigCgt mask in /proc): the command line's
+    first act."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
+
+
+def records(out: Path) -> list[dict]:
+    return read_jsonl(out / "metrics.jsonl")
+
+
+# moment -> (the event that marks it, the exit statuses it may end with)
+MOMENTS: dict[str, tuple[Callable[[Path, int], bool], set[int]]] = {
+    "start-up": (lambda out, pid: handlers_in_place(pid), {PREEMPTED_EXIT_CODE}),
+    "run-directory": (lambda out, pid: (out / "config.toml").exists(), {PREEMPTED_EXIT_CODE}),
+    "first-step": (lambda out, pid: bool(records(out)), {PREEMPTED_EXIT_CODE}),
+    "checkpoint": (lambda out, pid: (out / "checkpoints" / "index.json").exists(),
+                   {PREEMPTED_EXIT_CODE}),
+    "evaluation": (lambda out, pid: any("test_accuracy" in r for r in records(out)),
+                   {PREEMPTED_EXIT_CODE}),
+    # After the last step's record the job may stop at its check (3) or finish (0).
+    "last-step": (lambda out, pid: any(r["step"] == TOTAL_STEPS for r in records(out)),
+                  {PREEMPTED_EXIT_CODE, 0}),
+    "summary": (lambda out, pid: (out / "summary.json").exists(), {0}),
+}  # fmt: skip
+# make test sends the signal at these; make stress at every moment (SCALETRAIN_STRESS_SEED set).
+QUICK = ("start-up", "checkpoint", "summary")
+
+
+def moments() -> list[str]:
+    return list(MOMENTS) if os.environ.get("SCALETRAIN_STRESS_SEED") else list(QUICK)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("anytime") / "clean"
+    result = run_cli("run", *JOB, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == TOTAL_STEPS
+    return summary
+
+
+@pytest.mark.parametrize("moment", moments())
+def test_a_signal_at_any_moment_exits_3_or_0_and_the_job_ends_the_same(
+    tmp_path, uninterrupted, moment
+):
+    out = tmp_path / "run"
+    event, codes = MOMENTS[moment]
+    name = "SIGUSR1" if list(MOMENTS).index(moment) % 2 else "SIGTERM"
+    proc = start(*JOB, "--out", str(out))
+    deadline = time.monotonic() + 120
+    while not event(out, proc.pid):
+        assert proc.poll() is None, f"the run ended before {moment}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {moment} within 120 s"
+        time.sleep(0.005)
+    os.kill(proc.pid, getattr(signal, name))
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode in codes, (moment, proc.returncode, stderr)
+    assert "Traceback" not in stderr
+    assert_no_orphans(out)
+    if proc.returncode == PREEMPTED_EXIT_CODE:
+        assert f"preempted by {name}" in stderr and "same command" in stderr, stderr
+        assert not (out / "summary.json").exists()
+        if moment == "start-up":  # stopped before anything was written
+            assert not out.exists()
+    again = run_cli("run", *JOB, "--out", str(out))
+    assert again.returncode == 0, again.stderr
+    if proc.returncode == 0:  # finished already: the same command has nothing to do
+        assert "is complete" in again.stdout, again.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["params_sha256"] == uninterrupted["params_sha256"], moment
+    assert summary["steps"] == TOTAL_STEPS
