@@ -256,7 +256,12 @@ class OptimSection:
     weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
     clip_grad_norm: float = field(
         default=0.0,
-        metadata={"help": "clip the gradient's global norm (over all ranks) to this (0: off)"},
+        metadata={
+            "help": "clip a gradient's norm to this (0: off). Which gradient depends on the "
+            "strategy: ddp, fsdp, tensor, pipeline, ps bsp and --recovery inplace clip the "
+            "step's gradient over all ranks (so they equal one process); local_sgd and "
+            "diloco each replica's own; ps asp and ssp each push's"
+        },
     )
     lr_schedule: str = field(
         default="constant",
@@ -563,6 +568,15 @@ class RunConfig:
         """Hash of the math fields: a checkpoint loads only into a run with the same."""
         text = dumps_toml({k: v for k, v in sorted(self.math_fields().items())})
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def clip_scope(cfg: RunConfig) -> str:
+    """What --clip-grad-norm bounds under ``cfg``'s strategy (summary.json says it too)."""
+    if cfg.train.strategy in ("local_sgd", "diloco"):
+        return "replica: each replica's own gradient, before its local update"
+    if cfg.train.strategy == "ps" and cfg.ps.consistency != "bsp":
+        return "push: each push's gradient, before the servers apply it"
+    return "global: the step's gradient over all ranks, before the update"
 
 
 def leaf_fields() -> dict[str, tuple[str | None, dataclasses.Field[Any]]]:

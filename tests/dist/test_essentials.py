@@ -69,9 +69,10 @@ def test_fsdp_accumulates_when_ranks_have_fewer_samples_than_micro_batches(tmp_p
 
 
 def test_clipping_uses_the_norm_over_all_ranks(tmp_path):
-    """Clipped hard (every step's norm is above 0.2), 2 ddp workers, 2 fsdp ranks and a
-    pipeline of 2 stages end with one process's weights: the norm each clips by is the
-    global one (over replicas, shards, stages)."""
+    """Clipped hard (every step's norm is above 0.2), 2 ddp workers, 2 fsdp ranks, a
+    pipeline of 2 stages and a bsp parameter server with 2 workers end with one process's
+    weights: the norm each clips by is the global one (over replicas, shards, stages, and
+    the server's aggregate of the pushes)."""
     ref, _, ref_records = train(tmp_path / "one", batch_size=30, clip_grad_norm=0.2)
     norms = [r["grad_norm"] for r in ref_records]
     assert min(norms) > 0.2, norms  # the clip was active at every step
@@ -79,11 +80,22 @@ def test_clipping_uses_the_norm_over_all_ranks(tmp_path):
         "ddp": {"batch_size": 15},
         "fsdp": {"batch_size": 15},
         "pipeline": {"batch_size": 30, "microbatches": 2},  # one pipeline: both see 30
+        "ps": {
+            "batch_size": 15,
+            "nproc_per_node": 3,
+            "num_servers": 1,
+            "barrier_timeout_s": 200.0,
+        },  # fmt: skip
     }
     for strategy, overrides in runs.items():
-        weights, _, records = train(tmp_path / strategy, strategy=strategy, nproc_per_node=2,
-                                    clip_grad_norm=0.2, **overrides)  # fmt: skip
+        weights, summary, records = train(tmp_path / strategy, strategy=strategy,
+                                          **{"nproc_per_node": 2, "clip_grad_norm": 0.2,
+                                             **overrides})  # fmt: skip
         assert max_diff(weights, ref) <= 1e-5, strategy
+        assert summary["clip_grad_norm"]["scope"].startswith("global"), strategy
+        if strategy == "ps":  # the server clips; the workers' pushes are not
+            assert not any("grad_norm" in r for r in records)
+            continue
         mine = [r["grad_norm"] for r in records if r["rank"] == 0]
         assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(mine, norms, strict=True))
 
@@ -143,6 +155,26 @@ def test_evaluation_during_training(tmp_path, overrides):
     # The loss of the end is the loss of the last evaluation's weights, roughly, so the
     # figure is not a constant.
     assert len({r["test_loss"] for r in scored}) > 1
+
+
+def test_evaluation_between_synchronizations_scores_one_model(tmp_path):
+    """local_sgd and diloco: between synchronizations each rank's replica is its own, so an
+    evaluation scores one model on every rank. local_sgd: the average a synchronization would
+    make; with none during the run (--sync-every beyond its 16 steps), the last step's score
+    is the one of the model finish() averages, which the summary scores. diloco: the global
+    model of the last synchronization, so steps 6 and 10 (between) score as steps 4 and 8
+    (at one); the test set is the same, so is the figure."""
+    common = {"nproc_per_node": 2, "batch_size": 15, "epochs": 4, "eval_every": 16}
+    _, summary, records = train(tmp_path / "local_sgd", strategy="local_sgd", sync_every=100,
+                                **common)  # fmt: skip
+    [last] = {r["test_accuracy"] for r in records if r["step"] == 16}
+    assert last == summary["test_accuracy"]
+    _, _, records = train(tmp_path / "diloco", strategy="diloco", sync_every=4,
+                          **{**common, "eval_every": 2})  # fmt: skip
+    score = {r["step"]: (r["test_accuracy"], r["test_loss"]) for r in records if r["rank"] == 0
+             and "test_loss" in r}  # fmt: skip
+    assert score[6] == score[4] and score[10] == score[8], score
+    assert score[4] != score[8]  # the global model moved at the synchronization of step 8
 
 
 def test_activation_checkpointing_keeps_the_weights(tmp_path):

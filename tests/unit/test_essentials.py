@@ -120,6 +120,8 @@ def cfg(**overrides):
         ({"strategy": "fsdp", "compile": True, "nproc_per_node": 2, "tp": 2,
           "model": "transformer"},
          "compile: under --strategy fsdp --tp 2 the layers are DTensor-parallel"),
+        ({"strategy": "ps", "clip_grad_norm": 1.0, "nproc_per_node": 4, "num_servers": 2},
+         "clip_grad_norm: under --consistency bsp the servers clip the step's aggregated"),
         ({"activation_checkpointing": True, "model": "cnn"},
          "activation_checkpointing: model 'cnn' names no blocks to recompute"),
         ({"precision": "fp8"}, "precision: must be one of 32, bf16-mixed, fp16-mixed"),
@@ -142,3 +144,22 @@ def test_options_every_strategy_honours_pass_the_checks():
                       lr_schedule="cosine", warmup_steps=5, eval_every=10))  # fmt: skip
     describe_plan(cfg(strategy="fsdp", precision="bf16-mixed", nproc_per_node=2,
                       model="transformer", activation_checkpointing=True))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "scope"),
+    [
+        ({}, "global"), ({"strategy": "fsdp"}, "global"), ({"strategy": "pipeline"}, "global"),
+        ({"recovery": "inplace"}, "global"), ({"strategy": "ps"}, "global"),
+        ({"strategy": "local_sgd"}, "replica"), ({"strategy": "diloco"}, "replica"),
+        ({"strategy": "ps", "consistency": "asp"}, "push"),
+        ({"strategy": "ps", "consistency": "ssp", "staleness": 1}, "push"),
+    ],
+)  # fmt: skip
+def test_what_clipping_bounds_is_named_per_mode(overrides, scope):
+    """--clip-grad-norm means one thing per mode, and the help and summary.json name it."""
+    from scaletrain.config import clip_scope, leaf_fields
+
+    assert clip_scope(cfg(clip_grad_norm=1.0, **overrides)).startswith(scope + ":")
+    help_text = leaf_fields()["clip_grad_norm"][1].metadata["help"]
+    assert all(word in help_text for word in ("local_sgd", "each replica", "each push's"))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain.config import clip_scope
 from scaletrain.metrics.timers import overlap_ratio
 
 
@@ -116,6 +117,11 @@ def run_info(cfg: Any, *, data_world_size: int, steps_per_epoch: int | None) -> 
         "precision": cfg.train.precision,
         "epochs": cfg.train.epochs,
         "steps_per_epoch": steps_per_epoch,
+        "clip_grad_norm": (
+            {"max_norm": cfg.optim.clip_grad_norm, "scope": clip_scope(cfg)}
+            if cfg.optim.clip_grad_norm
+            else None
+        ),
         "config_hash": cfg.hash(),
         "scaletrain_version": __version__,
         "torch_version": torch.__version__,

@@ -16,6 +16,7 @@ the outer optimizer's state.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -56,6 +57,22 @@ class DiLoCoStrategy(LocalSGDStrategy):
         for p, saved in zip(self.global_params, state["global_params"], strict=True):
             p.copy_(saved)
         self.outer.load_state_dict(state["outer_optimizer"])
+
+    def eval_model(self) -> nn.Module:
+        """--eval-every between synchronizations: the global model the replicas last agreed
+        on (theta_global, the same on every rank; an average of the replicas now would
+        be a model the outer optimizer never makes), its float buffers averaged over the
+        replicas."""
+        if self.in_sync:
+            return self.module
+        model = copy.deepcopy(self.module)
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), self.global_params, strict=True):
+                p.copy_(g)
+        buffers = float_buffers(model)
+        if buffers:
+            self.weighted_average(buffers, self.samples_since_sync)
+        return model
 
     def synchronize(self, num_samples: int) -> int:
         local = list(self.module.parameters())

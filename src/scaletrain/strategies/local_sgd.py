@@ -22,6 +22,7 @@ Subclasses change what a synchronization does (diloco.py) through ``synchronize`
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -113,6 +114,24 @@ class LocalSGDStrategy(Strategy):
     def finish(self) -> None:
         if self.local_steps % self.sync_every:
             self._timed_sync()
+
+    @property
+    def in_sync(self) -> bool:
+        """Whether the replicas are one model now (just synchronized, or not yet trained)."""
+        return self.local_steps % self.sync_every == 0
+
+    def eval_model(self) -> nn.Module:
+        """--eval-every between synchronizations: the replicas have drifted apart, and slices
+        of the test split scored each by its own rank's replica would add up to a figure of
+        no model. Every rank scores the model a synchronization now would give, a copy (one
+        all-reduce; training goes on from each rank's own replica)."""
+        if self.in_sync:
+            return self.module
+        averaged = copy.deepcopy(self.module)
+        self.weighted_average(
+            [*averaged.parameters(), *float_buffers(averaged)], self.samples_since_sync
+        )
+        return averaged
 
     def _timed_sync(self) -> tuple[float, int]:
         if self.ctx.device.type == "cuda":

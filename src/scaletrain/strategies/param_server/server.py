@@ -433,6 +433,10 @@ class ShardServer:
                                                 self.num_workers)  # fmt: skip
         scale_lr(self.optimizer, factor)
         self.param.grad = grad
+        if staleness is None and self.cfg.optim.clip_grad_norm > 0:
+            # bsp: the step's aggregated gradient, as ddp clips its all-reduced one (one
+            # server holds all of it: the checks refuse clipping over several).
+            torch.nn.utils.clip_grad_norm_([self.param], self.cfg.optim.clip_grad_norm)
         self.optimizer.step()
         self.param.grad = None
         self.version += 1

@@ -86,6 +86,13 @@ class PSWorkerStrategy(Strategy):
                 f"node: --join-token-file PATH or ${env.JOIN_TOKEN} (otherwise each node draws "
                 "its own and their processes cannot join each other)"
             )
+        if cfg.optim.clip_grad_norm and cfg.ps.consistency == "bsp" and k > 1:
+            raise ValueError(
+                "clip_grad_norm: under --consistency bsp the servers clip the step's aggregated "
+                "gradient by its norm, which with --num-servers > 1 is spread over servers "
+                "that do not exchange norms; use --num-servers 1 to clip it, or asp/ssp, "
+                "which clip each push"
+            )
         if k >= world_size:
             raise ValueError(
                 f"num_servers: {k} servers leave no worker in a world of {world_size} processes; "
@@ -240,9 +247,10 @@ class PSWorkerStrategy(Strategy):
             self.joined = True
 
     def _gradient(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
-        """The flat gradient of the mean loss over the batch (zeros and no loss when empty),
-        clipped per push under --clip-grad-norm (each push is its own update on the
-        servers, so its own gradient's norm is the one that bounds the update)."""
+        """The flat gradient of the mean loss over the batch (zeros and no loss when empty).
+        --clip-grad-norm under asp and ssp clips each push (each is its own update on the
+        servers, so its own gradient's norm bounds the update); under bsp the server clips
+        the step's aggregated gradient instead, as ddp does (server.py)."""
         if not batch.num_samples:
             return torch.zeros(self.numel, dtype=self.dtype), None, {}
         torch.nn.utils.vector_to_parameters(self.flat.to(self.ctx.device), self.params)
@@ -251,7 +259,7 @@ class PSWorkerStrategy(Strategy):
             self.module, self.loss_fn, batch.inputs, batch.targets, batch.num_samples
         )
         extras: dict[str, Any] = {}
-        if self.cfg.optim.clip_grad_norm > 0:
+        if self.cfg.optim.clip_grad_norm > 0 and self.cfg.ps.consistency != "bsp":
             held = [p for p in self.params if p.grad is not None]
             extras["grad_norm"] = self.clip_gradients(held, self.cfg.optim.clip_grad_norm)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
