@@ -174,6 +174,17 @@ class TimedStage(PipelineStage):
             self.busy_s += time.perf_counter() - start
 
 
+class StageLayers(nn.Sequential):
+    """A stage's layers, whose output goes to the next stage contiguous: torch's stage makes
+    the receiving buffer with the layout of the output it first saw, and gloo receives only
+    into contiguous tensors (the transformer's embedding gives a transposed activation, and
+    every step failed with "input tensor has to be contiguous")."""
+
+    def forward(self, x: Any) -> Any:  # type: ignore[override]
+        out = super().forward(x)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+
 class PipelineStrategy(Strategy):
     grad_accum_refusal = (
         "the schedule already accumulates gradients over its --microbatches before one update; "
@@ -234,7 +245,7 @@ class PipelineStrategy(Strategy):
             if name not in own:
                 layer.to("meta")  # frees the layers other stages hold
         children = dict(model.named_children())
-        self.module = nn.Sequential(OrderedDict((name, children[name]) for name in own))
+        self.module = StageLayers(OrderedDict((name, children[name]) for name in own))
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.module.parameters()) if self.params else None
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
