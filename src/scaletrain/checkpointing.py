@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,7 @@ from scaletrain.fault.checkpoint import (
 )
 from scaletrain.fault.interval import interval_steps, optimal_interval_s, predicted_overhead
 from scaletrain.fault.recovery import checkpoint_state, rng_state
-
-if TYPE_CHECKING:
-    from scaletrain.trainer import Trainer
+from scaletrain.loop import Loop
 
 # Under auto, the first save comes after this many steps (its cost is measured there).
 AUTO_FIRST_STEPS = 10
@@ -61,7 +59,7 @@ class Checkpointing(NoCheckpoints):
     """Saves after every N-th applied step, or at the interval auto chose, and when asked
     (``save``: synchronous unless ``background``)."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Loop) -> None:
         self.trainer = trainer
         fault = trainer.cfg.fault
         self.every, self.auto, self.mtbf_s = (

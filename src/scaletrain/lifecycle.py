@@ -1,5 +1,6 @@
 """What the training loop does around its steps that depends on how the job's processes
-belong together, plugged into the loop (trainer.py) instead of branched on.
+belong together, plugged into the loop (trainer.py) instead of branched on. A world reads
+only what loop.Loop shows of the trainer.
 
 - ``GroupWorld`` (the restart mode, every strategy but ps): the processes form one
   torch.distributed world that torch's elastic agent restarts as a whole. At start every rank
@@ -24,9 +25,9 @@ import json
 import logging
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,10 +42,8 @@ from scaletrain.fault.recoveries import run_recoveries
 from scaletrain.fault.recovery import Progress, resume
 from scaletrain.fault.watchdog import NullWatchdog, Watchdog
 from scaletrain.io import atomic_torch_save, atomic_write_json
-from scaletrain.metrics.summary import RankTotals, params_sha256, run_info, summarize
-
-if TYPE_CHECKING:
-    from scaletrain.trainer import Trainer
+from scaletrain.loop import Loop
+from scaletrain.metrics.summary import RankTotals, SummaryParts, params_sha256, write_summary
 
 log = logging.getLogger("scaletrain.lifecycle")
 
@@ -63,40 +62,49 @@ def save_final_model(run_dir: Path, model: torch.nn.Module) -> float:
     return time.perf_counter() - started
 
 
+@dataclass(frozen=True, kw_only=True)
+class FinishReport:
+    """What the loop hands its world at the end, besides the per-rank totals."""
+
+    checkpoint_s: float  # seconds this process blocked on checkpoints
+    checkpointing: dict[str, Any]  # the checkpoints' own account (Checkpointing.describe)
+    steps_per_epoch: int | None
+
+
 class World(ABC):
     @abstractmethod
-    def watchdog(self, trainer: Trainer) -> NullWatchdog:
+    def watchdog(self, loop: Loop) -> NullWatchdog:
         """What notices a hang (and ends this process) while the loop runs."""
 
-    def checkpointing(self, trainer: Trainer) -> NoCheckpoints:
+    def checkpointing(self, loop: Loop) -> NoCheckpoints:
         """What saves the training state (a fleet's processes resume no checkpoint of the
         loop's: torchft heals from a peer, ps servers keep their own)."""
         return NoCheckpoints()
 
     @abstractmethod
-    def resume(self, trainer: Trainer) -> Progress | None:
+    def resume(self, loop: Loop) -> Progress | None:
         """Where this process starts: a checkpoint's progress, or None (from the start)."""
 
     @abstractmethod
-    def finish(self, trainer: Trainer, final: RankTotals) -> dict[str, Any] | None:
+    def finish(self, loop: Loop, final: RankTotals, report: FinishReport) -> dict[str, Any] | None:
         """Report this process's ``final`` totals; summary.json where this process writes it."""
 
-    def preempted(self, trainer: Trainer) -> bool:
+    def preempted(self, loop: Loop) -> bool:
         """Whether the launcher asked the job to stop (SIGTERM, SIGUSR1: launch/preempt.py):
         True on every rank alike, at the same step. Default: never (a fleet's launcher
         stops its processes itself)."""
         return False
 
-    def gather(self, trainer: Trainer, value: float) -> list[float]:
+    def gather(self, loop: Loop, value: float) -> list[float]:
         """Every rank's ``value`` (--balance speed's rates): a group's only."""
         raise NotImplementedError("only the restart mode's world gathers")
 
     @abstractmethod
-    def eval_part(self, trainer: Trainer) -> tuple[int, int] | None:
+    def eval_part(self, loop: Loop) -> tuple[int, int] | None:
         """The slice of the test split this process scores during training (None: none)."""
 
     @abstractmethod
-    def sum_counts(self, trainer: Trainer, counts: tuple[float, ...]) -> tuple[float, ...]:
+    def sum_counts(self, loop: Loop, counts: tuple[float, ...]) -> tuple[float, ...]:
         """The evaluation's counts over every part (a collective where there is a group)."""
 
 
@@ -104,67 +112,67 @@ class GroupWorld(World):
     def __init__(self) -> None:
         self._checked = False  # whether this process has checked for a preemption yet
 
-    def checkpointing(self, trainer: Trainer) -> NoCheckpoints:
+    def checkpointing(self, loop: Loop) -> NoCheckpoints:
         from scaletrain.checkpointing import Checkpointing
 
-        return Checkpointing(trainer)
+        return Checkpointing(loop)
 
-    def watchdog(self, trainer: Trainer) -> NullWatchdog:
-        ctx, cfg = trainer.ctx, trainer.cfg
+    def watchdog(self, loop: Loop) -> NullWatchdog:
+        ctx, cfg = loop.ctx, loop.cfg
         return Watchdog(
             rank=ctx.rank,
             world_size=ctx.world_size,
             attempt=ctx.attempt,
             timeout_s=cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2,
-            run_dir=trainer.run_dir,
+            run_dir=loop.run_dir,
         )
 
-    def _all_agree(self, trainer: Trainer, ok: bool) -> bool:
-        flag = torch.tensor([0 if ok else 1], device=trainer.ctx.device)
-        if trainer.ctx.world_size > 1:
+    def _all_agree(self, loop: Loop, ok: bool) -> bool:
+        flag = torch.tensor([0 if ok else 1], device=loop.ctx.device)
+        if loop.ctx.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag) == 0
 
-    def eval_part(self, trainer: Trainer) -> tuple[int, int] | None:
-        return trainer.strategy.eval_part()
+    def eval_part(self, loop: Loop) -> tuple[int, int] | None:
+        return loop.strategy.eval_part()
 
-    def preempted(self, trainer: Trainer) -> bool:
+    def preempted(self, loop: Loop) -> bool:
         """Every --preempt-check-every steps the ranks agree (one all-reduce of a flag: some
         rank sees logs/preempt.json, which the launcher writes when it is signalled), so all
         stop after the same step; in between a request waits, which costs no collective.
         Also after the first step of every attempt: a request that came while the workers
         started (or rendezvoused again) stops them after one step, not up to N."""
-        every = trainer.cfg.fault.preempt_check_every
+        every = loop.cfg.fault.preempt_check_every
         first, self._checked = not self._checked, True
-        if trainer.progress.step % every and not first:
+        if loop.progress.step % every and not first:
             return False
-        asked = preempt_path(trainer.run_dir).exists()
-        return not self._all_agree(trainer, not asked)
+        asked = preempt_path(loop.run_dir).exists()
+        return not self._all_agree(loop, not asked)
 
-    def gather(self, trainer: Trainer, value: float) -> list[float]:
+    def gather(self, loop: Loop, value: float) -> list[float]:
         """Every rank's ``value``, in rank order (a collective)."""
-        mine = torch.tensor([value], dtype=torch.float64, device=trainer.ctx.device)
-        if trainer.ctx.world_size == 1:
+        mine = torch.tensor([value], dtype=torch.float64, device=loop.ctx.device)
+        if loop.ctx.world_size == 1:
             return [value]
-        out = [torch.zeros_like(mine) for _ in range(trainer.ctx.world_size)]
+        out = [torch.zeros_like(mine) for _ in range(loop.ctx.world_size)]
         dist.all_gather(out, mine)
         return [float(t) for t in out]
 
-    def sum_counts(self, trainer: Trainer, counts: tuple[float, ...]) -> tuple[float, ...]:
-        summed = torch.tensor(counts, dtype=torch.float64, device=trainer.ctx.device)
-        if trainer.ctx.world_size > 1:
+    def sum_counts(self, loop: Loop, counts: tuple[float, ...]) -> tuple[float, ...]:
+        summed = torch.tensor(counts, dtype=torch.float64, device=loop.ctx.device)
+        if loop.ctx.world_size > 1:
             dist.all_reduce(summed)
         return tuple(float(c) for c in summed)
 
-    def check_same_checkpoints(self, trainer: Trainer) -> None:
+    def check_same_checkpoints(self, loop: Loop) -> None:
         """Every rank must resume from the same checkpoint. Across nodes that needs --out on
         a file system they all share; otherwise node 0 alone would find its checkpoints and
         the ranks would train from different states (or wait in different collectives).
         The same collective checks that every rank labels its records with the same attempt."""
-        ctx = trainer.ctx
+        ctx = loop.ctx
         if ctx.world_size == 1:
             return
-        directory = trainer.run_dir / "checkpoints"
+        directory = loop.run_dir / "checkpoints"
         index = read_index(directory)
         newest = index[-1]["step"] if index else -1
         bounds = torch.tensor([newest, -newest, ctx.attempt, -ctx.attempt], device=ctx.device)
@@ -183,78 +191,69 @@ class GroupWorld(World):
                 "Lustre, a ReadWriteMany volume) to resume across nodes"
             )
 
-    def resume(self, trainer: Trainer) -> Progress | None:
-        self.check_same_checkpoints(trainer)
+    def resume(self, loop: Loop) -> Progress | None:
+        self.check_same_checkpoints(loop)
         resumed = resume(
-            trainer.run_dir / "checkpoints",
-            trainer.restore_checkpoint,
-            data_world_size=trainer.strategy.data_world_size,
-            rank=trainer.ctx.rank,
-            math_hash=trainer.cfg.math_hash(),
-            attempt=trainer.ctx.attempt,
-            metrics=trainer.run_dir / "metrics.jsonl",
-            job_run=trainer.ctx.job_run,
-            attempt_base=trainer.ctx.attempt_base,
-            all_agree=lambda ok: self._all_agree(trainer, ok),
+            loop.run_dir / "checkpoints",
+            loop.restore_checkpoint,
+            data_world_size=loop.strategy.data_world_size,
+            rank=loop.ctx.rank,
+            math_hash=loop.cfg.math_hash(),
+            attempt=loop.ctx.attempt,
+            metrics=loop.run_dir / "metrics.jsonl",
+            job_run=loop.ctx.job_run,
+            attempt_base=loop.ctx.attempt_base,
+            all_agree=lambda ok: self._all_agree(loop, ok),
         )
-        if trainer.ctx.is_main:  # no rank can save before step 1, which needs rank 0
-            remove_unfinished(trainer.run_dir / "checkpoints")
+        if loop.ctx.is_main:  # no rank can save before step 1, which needs rank 0
+            remove_unfinished(loop.run_dir / "checkpoints")
         return resumed
 
-    def finish(self, trainer: Trainer, final: RankTotals) -> dict[str, Any] | None:
-        ctx = trainer.ctx
+    def finish(self, loop: Loop, final: RankTotals, report: FinishReport) -> dict[str, Any] | None:
+        ctx = loop.ctx
         gathered: list[RankTotals | None] = [None] * ctx.world_size
         dist.all_gather_object(gathered, final)
         if not ctx.is_main:
             return None
-        model = trainer.strategy.model
-        checkpoint_s = trainer.checkpoint_s + save_final_model(trainer.run_dir, model)
-        progress = trainer.progress
-        summary = summarize(
-            [r for r in gathered if r is not None],
+        model = loop.strategy.model
+        checkpoint_s = report.checkpoint_s + save_final_model(loop.run_dir, model)
+        progress = loop.progress
+        return write_summary(loop.cfg, loop.run_dir, SummaryParts(
+            finals=[r for r in gathered if r is not None],
             steps=progress.step,
             samples=progress.samples_trained,
             # Also the restarts whose world failed again before it could checkpoint them.
-            recoveries=run_recoveries(trainer.run_dir, progress.recoveries),
+            recoveries=run_recoveries(loop.run_dir, progress.recoveries),
             checkpoint_s=checkpoint_s,
             params_hash=params_sha256(model),
             wall_s=final.wall_s,
-            run_dir=trainer.run_dir,
-            info={
-                **run_info(
-                    trainer.cfg,
-                    data_world_size=trainer.strategy.data_world_size,
-                    steps_per_epoch=trainer.plan.steps_per_epoch(),
-                ),
-                "backend": ctx.backend,
-                "checkpointing": trainer.checkpoints.describe(),
-                **trainer.strategy.summary_info(),
-            },
-        )
-        atomic_write_json(trainer.run_dir / "summary.json", summary)
-        return summary
+            data_world_size=loop.strategy.data_world_size,
+            steps_per_epoch=report.steps_per_epoch,
+            backend=ctx.backend,
+            extras={"checkpointing": report.checkpointing, **loop.strategy.summary_info()},
+        ))  # fmt: skip
 
 
 class FleetWorld(World):
-    def watchdog(self, trainer: Trainer) -> NullWatchdog:
+    def watchdog(self, loop: Loop) -> NullWatchdog:
         return NullWatchdog()
 
-    def resume(self, trainer: Trainer) -> Progress | None:
+    def resume(self, loop: Loop) -> Progress | None:
         return None
 
-    def eval_part(self, trainer: Trainer) -> tuple[int, int] | None:
+    def eval_part(self, loop: Loop) -> tuple[int, int] | None:
         """No group to add parts over: the first process (quorum rank 0 of a torchft step,
         worker 0 of a parameter server) scores the whole split, the others none."""
-        return (0, 1) if trainer.strategy.eval_part()[0] == 0 else None
+        return (0, 1) if loop.strategy.eval_part()[0] == 0 else None
 
-    def sum_counts(self, trainer: Trainer, counts: tuple[float, ...]) -> tuple[float, ...]:
+    def sum_counts(self, loop: Loop, counts: tuple[float, ...]) -> tuple[float, ...]:
         return counts
 
-    def finish(self, trainer: Trainer, final: RankTotals) -> dict[str, Any] | None:
-        strategy = trainer.strategy
+    def finish(self, loop: Loop, final: RankTotals, report: FinishReport) -> dict[str, Any] | None:
+        strategy = loop.strategy
         if strategy.holds_final_model and strategy.eval_part()[0] == 0:
-            save_final_model(trainer.run_dir, strategy.model)
-        atomic_write_json(final_path(trainer.run_dir, trainer.ctx.rank), asdict(final))
+            save_final_model(loop.run_dir, strategy.model)
+        atomic_write_json(final_path(loop.run_dir, loop.ctx.rank), asdict(final))
         return None
 
 

@@ -33,7 +33,7 @@ from scaletrain.data.plans import RunEnded, StepPlan
 from scaletrain.fault.inject import parse_inject
 from scaletrain.fault.recoveries import mark_resumed, note_recovery
 from scaletrain.fault.recovery import Progress
-from scaletrain.lifecycle import FleetWorld, GroupWorld, Preempted, World
+from scaletrain.lifecycle import FinishReport, FleetWorld, GroupWorld, Preempted, World
 from scaletrain.metrics.evaluation import score
 from scaletrain.metrics.sinks import StepSinks
 from scaletrain.metrics.summary import RankTotals, params_sha256, peak_rss_bytes
@@ -136,7 +136,10 @@ class Trainer:
         self.watchdog.enter(step, "evaluation", self.strategy.collective_of_model)
         self.evaluate()
         self.watchdog.enter(step, "end of training", "gather of per-rank totals")
-        summary = self.world.finish(self, self._final(wall_s))
+        report = FinishReport(checkpoint_s=self.checkpoint_s,
+                              checkpointing=self.checkpoints.describe(),
+                              steps_per_epoch=self.plan.steps_per_epoch())  # fmt: skip
+        summary = self.world.finish(self, self._final(wall_s), report)
         self.watchdog.stop()
         self.strategy.close()
         return summary
