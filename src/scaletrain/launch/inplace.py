@@ -29,11 +29,11 @@ from typing import Any
 from scaletrain import env
 from scaletrain.config import RunConfig
 from scaletrain.fault.recoveries import inplace_recoveries
-from scaletrain.io import atomic_write_json, read_jsonl
+from scaletrain.io import read_jsonl
 from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals
 from scaletrain.metrics.logs import tail
-from scaletrain.metrics.summary import run_info, summarize
+from scaletrain.metrics.summary import SummaryParts, write_summary
 from scaletrain.net import route_address, url_host
 
 # The lighthouse drops a replica whose heartbeats (every 100 ms) stop for this long.
@@ -147,24 +147,20 @@ class Supervisor(JobFleet):
         # The replica that trained longest (a restarted one joined late).
         main = max(finals, key=lambda f: (f.step, f.wall_s))
         cfg = self.cfg
-        summary = summarize(
-            finals,
+        return write_summary(cfg, self.run_dir, SummaryParts(
+            finals=finals,
             steps=main.step,
             samples=main.samples_trained,
             recoveries=self.recoveries(),
             checkpoint_s=0.0,
             params_hash=main.params_sha256,
             wall_s=main.wall_s,
-            run_dir=self.run_dir,
-            info={
-                **run_info(cfg, data_world_size=self.world, steps_per_epoch=main.steps_per_epoch),
-                "recovery": "inplace",
-                "backend": "gloo",
-            },
-        )
-        summary["world_size"] = self.world
-        atomic_write_json(self.run_dir / "summary.json", summary)
-        return summary
+            data_world_size=self.world,
+            steps_per_epoch=main.steps_per_epoch,
+            backend="gloo",
+            world_size=self.world,
+            extras={"recovery": "inplace"},
+        ))  # fmt: skip
 
 
 def run_inplace(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:

@@ -28,11 +28,11 @@ from typing import Any
 from scaletrain import env
 from scaletrain.config import RunConfig
 from scaletrain.fault.recoveries import ps_recoveries
-from scaletrain.io import atomic_write_json, read_jsonl
+from scaletrain.io import read_jsonl
 from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals, save_final_model
 from scaletrain.metrics.logs import tail
-from scaletrain.metrics.summary import run_info, summarize
+from scaletrain.metrics.summary import SummaryParts, write_summary
 from scaletrain.strategies.param_server.admission import launcher_token
 
 # How long servers get to write their final slices once told to finish.
@@ -282,7 +282,7 @@ def assemble(cfg: RunConfig, run_dir: Path, num_servers: int) -> tuple[Any, list
 
     from scaletrain.task import build_task
 
-    finals = [torch.load(run_dir / "checkpoints" / f"final-server{k}.pt", weights_only=False)
+    finals = [torch.load(run_dir / "checkpoints" / f"final-server{k}.pt", weights_only=True)
               for k in range(num_servers)]  # fmt: skip
     task = build_task(cfg)
     flat = torch.cat([f["param"] for f in finals])
@@ -290,7 +290,7 @@ def assemble(cfg: RunConfig, run_dir: Path, num_servers: int) -> tuple[Any, list
     return task, finals
 
 
-def write_summary(fleet: PSFleet) -> dict[str, Any]:
+def finish_summary(fleet: PSFleet) -> dict[str, Any]:
     """summary.json from the workers' finals (the loop's, logs/final/) and the servers' final
     slices, assembled into the model and scored here, with the evaluation every mode uses."""
     import torch
@@ -315,18 +315,19 @@ def write_summary(fleet: PSFleet) -> dict[str, Any]:
     numels = [f["param"].numel() for f in finals]
     sizes = [p.numel() for p in task.model.parameters()]
     held = split_tensors(sizes, shard_ranges(sum(sizes), fleet.num_servers))
-    summary = summarize(
-        workers,
+    return write_summary(cfg, run_dir, SummaryParts(
+        finals=workers,
         steps=main["version"],
         samples=main["samples_trained"],
         recoveries=recoveries(fleet),
         checkpoint_s=checkpoint_s,
         params_hash=params_sha256(task.model),
         test_counts=test or [],
-        run_dir=run_dir,
-        info={
-            **run_info(cfg, data_world_size=fleet.num_workers, steps_per_epoch=None),
-            "backend": "gloo",
+        data_world_size=fleet.num_workers,
+        steps_per_epoch=None,
+        backend="gloo",
+        world_size=fleet.world,
+        extras={
             "ps": {
                 "consistency": cfg.ps.consistency,
                 "staleness_bound": cfg.ps.staleness if cfg.ps.consistency == "ssp" else None,
@@ -338,13 +339,10 @@ def write_summary(fleet: PSFleet) -> dict[str, Any]:
                 "server_updates": [f["applied"] for f in finals],
                 "transport": "gloo point-to-point, one two-rank group per worker-server link",
             },
+            "staleness_histogram": staleness_histogram(r["staleness"] for r in records),
+            "max_staleness": max((r["staleness"] for r in records), default=0),
         },
-    )
-    summary["world_size"] = fleet.world
-    summary["staleness_histogram"] = staleness_histogram(r["staleness"] for r in records)
-    summary["max_staleness"] = max((r["staleness"] for r in records), default=0)
-    atomic_write_json(run_dir / "summary.json", summary)
-    return summary
+    ))  # fmt: skip
 
 
 def run_ps(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]:
@@ -365,6 +363,6 @@ def run_ps(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]
         raise WorkerFailed(str(e)) from None
     if not fleet.is_head:
         return {"run_dir": str(run_dir)}  # node 0 writes summary.json
-    summary = write_summary(fleet)
+    summary = finish_summary(fleet)
     summary["run_dir"] = str(run_dir)
     return summary

@@ -128,6 +128,49 @@ def run_info(cfg: Any, *, data_world_size: int, steps_per_epoch: int | None) -> 
     }
 
 
+@dataclass(kw_only=True)
+class SummaryParts:
+    """What a mode knows at the end of a run, for ``write_summary``: the processes' final
+    totals, the job's progress, and the sections only that mode has (``extras``: the
+    parameter server's, the checkpoints' account, a strategy's)."""
+
+    finals: list[RankTotals]
+    steps: int
+    samples: int
+    recoveries: list[dict[str, Any]]
+    checkpoint_s: float
+    params_hash: str
+    data_world_size: int
+    steps_per_epoch: int | None
+    backend: str
+    world_size: int | None = None  # the job's processes, when not one per final (ps servers)
+    wall_s: float | None = None
+    test_counts: list[tuple[float, float]] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def write_summary(cfg: Any, run_dir: Path, parts: SummaryParts) -> dict[str, Any]:
+    """summary.json, for every mode: the one place it is assembled and written (rank 0 of
+    the restart mode, the in-place and parameter-server launchers call it)."""
+    from scaletrain.io import atomic_write_json
+
+    info = {
+        **run_info(cfg, data_world_size=parts.data_world_size,
+                   steps_per_epoch=parts.steps_per_epoch),
+        "backend": parts.backend,
+        **parts.extras,
+    }  # fmt: skip
+    summary = summarize(
+        parts.finals, steps=parts.steps, samples=parts.samples, recoveries=parts.recoveries,
+        checkpoint_s=parts.checkpoint_s, params_hash=parts.params_hash, info=info,
+        wall_s=parts.wall_s, test_counts=parts.test_counts, run_dir=run_dir,
+    )  # fmt: skip
+    if parts.world_size is not None:
+        summary["world_size"] = parts.world_size
+    atomic_write_json(run_dir / "summary.json", summary)
+    return summary
+
+
 def summarize(
     finals: list[RankTotals],
     *,
