@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from scaletrain.cli import main
+from scaletrain.fault.checkpoint import load_latest
 from scaletrain.io import read_jsonl
 from tests.conftest import REPO, assert_no_orphans, listeners_while_running, run_cli
 
@@ -195,6 +196,11 @@ def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
     assert updates[0] > updates[1]
     assert all(r["attempt"] == 0 for r in records)  # no worker was restarted
     assert summary["ps"]["staleness_bound"] == 2
+    # The servers' checkpoints are the loop's format: files listed with their sha256 in a
+    # checksummed index, and loadable with weights_only=True (fault/checkpoint.py).
+    for server in (0, 1):
+        state, skipped = load_latest(out / "checkpoints" / f"server{server}")
+        assert state is not None and not skipped and state["version"] % 10 == 0
     assert_no_orphans(out)
 
 

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import RunConfig
+from scaletrain.fault.checkpoint import load_latest, save_checkpoint
 from scaletrain.fault.inject import parse_inject
 from scaletrain.io import append_jsonl, atomic_torch_save
 from scaletrain.schedule import lr_factor, scale_lr
@@ -137,31 +138,25 @@ class ShardServer:
 
     # -- checkpoints ---------------------------------------------------------------------
     def _restore(self) -> None:
-        if not self.checkpoint_dir.is_dir():
+        """The newest intact checkpoint of this server's slice (the shared format: a
+        checksummed index, loaded with weights_only=True; fault/checkpoint.py)."""
+        state, skipped = load_latest(self.checkpoint_dir)
+        for note in skipped:
+            log.warning("skipping damaged checkpoint: %s", note)
+        if state is None:
             return
-        for path in sorted(self.checkpoint_dir.glob("version-*.pt"), reverse=True):
-            try:
-                state = torch.load(path, weights_only=False)
-            except Exception as e:  # a damaged file: try the one before
-                log.warning("skipping damaged checkpoint %s: %s", path, e)
-                continue
-            self.param.data.copy_(state["param"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.version = state["version"]
-            self.released_step = state["released_step"]
-            if self.coordinator is not None:
-                self.coordinator.load_state_dict(state["coordinator"])
-            log.info("server %d restored version %d from %s", self.index, self.version, path)
-            append_event(
-                self.run_dir,
-                {
-                    "event": "restored",
-                    "server": self.index,
-                    "version": self.version,
-                    "attempt": self.attempt,
-                },
-            )
-            return
+        self.param.data.copy_(state["param"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+        self.released_step = state["released_step"]
+        if self.coordinator is not None:
+            self.coordinator.load_state_dict(state["coordinator"])
+        log.info("server %d restored version %d", self.index, self.version)
+        append_event(
+            self.run_dir,
+            {"event": "restored", "server": self.index, "version": self.version,
+             "attempt": self.attempt},
+        )  # fmt: skip
 
     def _maybe_checkpoint(self) -> None:
         """Called with the lock held, after an update."""
@@ -183,10 +178,8 @@ class ShardServer:
         were complete)."""
         with self.save_lock:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            atomic_torch_save(self.checkpoint_dir / f"version-{state['version']:08d}.pt", state)
-            kept = sorted(self.checkpoint_dir.glob("version-*.pt"))
-            for old in kept[: -self.cfg.fault.keep_checkpoints]:
-                old.unlink(missing_ok=True)
+            save_checkpoint(self.checkpoint_dir, state["version"], state,
+                            self.cfg.fault.keep_checkpoints)  # fmt: skip
             append_event(
                 self.run_dir,
                 {
