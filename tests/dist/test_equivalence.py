@@ -121,3 +121,7 @@ def test_metrics_contract(single):
         "checkpoint_s",
     }
     assert summary["samples"] == 2 * 115
+    # No fault: no time is called a restart; the gaps between steps have their own name.
+    lost = summary["time_lost"]
+    assert lost["restart_s"] == 0 and lost["failure_detection_s"] == 0
+    assert lost["between_steps_s"] > 0

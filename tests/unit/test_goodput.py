@@ -44,6 +44,7 @@ def test_a_restart_and_a_resume_itemized():
     # 1 s detection; and 0.5 s after attempt 1's last step before the job run ended.
     assert lost["failure_detection_s"] == pytest.approx(1.0)
     assert lost["restart_s"] == pytest.approx(4.0 - 1.0 + 0.5)
+    assert lost["between_steps_s"] == pytest.approx(0.0)  # the steps follow each other
     assert job["kept_s"] + sum(lost.values()) == pytest.approx(job["wall_s"])
     assert job["goodput"] == pytest.approx(6.5 / 36.0)
 
@@ -69,3 +70,15 @@ def test_a_rank_waiting_while_rank_0_writes_is_not_training():
     job = job_time(records, [{"job_run": 0, "started_at": 103.0}], [], end=105.5)
     assert job["lost"]["checkpoint_s"] == pytest.approx(0.5)
     assert job["kept_s"] == pytest.approx(2.0)
+
+
+def test_a_run_without_a_fault_loses_no_time_to_restarts():
+    """The loop's own time between steps (here 0.25 s after each of 4 steps on 2 ranks) is
+    named as such; a run that never failed reports no restart (it once said "restart 0.3 s"
+    of a 32-rank run without a fault)."""
+    records = [step(r, s, 101 + 1.25 * s, step_s=1.0) for r in (0, 1) for s in range(1, 5)]
+    job = job_time(records, [{"job_run": 0, "started_at": 100.0}], [], end=106.5)
+    lost = job["lost"]
+    assert lost["restart_s"] == 0.0 and lost["failure_detection_s"] == 0.0
+    assert lost["between_steps_s"] == pytest.approx(3 * 0.25)
+    assert job["kept_s"] + sum(lost.values()) == pytest.approx(job["wall_s"])

@@ -156,8 +156,8 @@ def plot_breakdown(runs: list[Run]) -> str:
     return png(fig)
 
 
-LOST = ("startup_s", "redone_s", "checkpoint_s", "failure_detection_s", "restart_s",
-        "between_job_runs_s", "finish_s")  # fmt: skip
+LOST = ("startup_s", "redone_s", "checkpoint_s", "between_steps_s", "failure_detection_s",
+        "restart_s", "between_job_runs_s", "finish_s")  # fmt: skip
 
 
 def plot_job_time(runs: list[Run]) -> str | None:
@@ -166,7 +166,8 @@ def plot_job_time(runs: list[Run]) -> str | None:
     if not with_job:
         return None
     fig, ax = plt.subplots(figsize=(11, 0.6 * len(with_job) + 1.8))
-    colors = ("#55a868", "#999", "#c44e52", "#dd8452", "#8172b2", "#937860", "#da8bc3", "#ccb974")
+    colors = ("#55a868", "#999", "#c44e52", "#dd8452", "#64b5cd", "#8172b2", "#937860", "#da8bc3",
+              "#ccb974")  # fmt: skip
     for i, run in enumerate(with_job):
         s = run.summary
         values = [s["goodput"] * s["wall_s"], *(s["time_lost"].get(k, 0.0) for k in LOST)]

@@ -9,8 +9,11 @@ share of it spent in steps whose results were kept; the rest is itemized:
 - ``redone_s``: steps whose results were thrown away, trained again after a rollback (and
   parameter-server pushes the servers did not apply);
 - ``checkpoint_s``: steps blocked writing checkpoints;
+- ``between_steps_s``: the loop's own time between the steps of one attempt (planning the
+  next step, the records, the checks between steps): no fault needed, every run has some;
 - ``failure_detection_s`` and ``restart_s``: from the last step before a failure to the
-  first step after it, split by the recoveries' own detection times;
+  first step after it, split by the recoveries' own detection times; only where a failure
+  happened (0 in a run without one);
 - ``between_job_runs_s``: from a job run's end (a preemption, a killed job) to the next
   one's start;
 - ``finish_s``: after the last step (the last checkpoint, evaluation, summary).
@@ -103,14 +106,26 @@ def job_time(
     finish_s = max(end - max((r["unix_time"] for r in records), default=end), 0.0)
     accounted = kept_s + redone_s + checkpoint_s + startup_s + between_s + finish_s
     rest = max(wall - accounted, 0.0)
-    detected = sum(e.get("detected_s") or 0.0 for e in recoveries if e.get("kind") != "resume")
-    detection_s = min(detected, rest)
+    # The rest is time no step covers: inside an attempt's span, the loop's own time between
+    # its steps; outside every span (a failure's gap between two attempts), detection and
+    # restart. Only a failure makes the latter, which a run without one must not report.
+    spans: dict[tuple[int, int], tuple[float, float]] = {}
+    for (job_run, attempt, _), group in steps.items():
+        lo = min(r["unix_time"] - r["step_s"] for r in group)
+        hi = max(r["unix_time"] for r in group)
+        old = spans.get((job_run, attempt), (lo, hi))
+        spans[(job_run, attempt)] = (min(old[0], lo), max(old[1], hi))
+    inside_s = _length(list(spans.values())) - _length(kept + redone + blocked)
+    failures = [e for e in recoveries if e.get("kind") != "resume"]
+    detection_s = min(sum(e.get("detected_s") or 0.0 for e in failures), rest)
+    restart_s = max(rest - detection_s - inside_s, 0.0) if failures else 0.0
     lost = {
         "startup_s": startup_s,
         "redone_s": redone_s,
         "checkpoint_s": checkpoint_s,
+        "between_steps_s": rest - detection_s - restart_s,
         "failure_detection_s": detection_s,
-        "restart_s": rest - detection_s,
+        "restart_s": restart_s,
         "between_job_runs_s": between_s,
         "finish_s": finish_s,
     }
