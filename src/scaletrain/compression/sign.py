@@ -72,7 +72,11 @@ class SignCompressor(Compressor):
 
     def decompress(self, key: Hashable, payload: torch.Tensor, out: torch.Tensor) -> None:
         num_scale_bytes = 4 * len(self.bounds[key])
-        scales = payload[:, -num_scale_bytes:].contiguous().view(torch.float32)  # (world, T)
+        # A fresh copy, not .contiguous(): with one rank the slice already counts as
+        # contiguous, at an offset and row stride a float32 view refuses unless the packed
+        # signs happen to fill whole words.
+        scale_bytes = payload[:, -num_scale_bytes:].clone(memory_format=torch.contiguous_format)
+        scales = scale_bytes.view(torch.float32)  # (world, T)
         signs = unpack_signs(payload[:, :-num_scale_bytes], out.numel())  # (world, n)
         # Per tensor, the weighted sum over ranks is one (world,) x (world, len) product.
         for tensor, (lo, hi) in enumerate(self.bounds[key]):
