@@ -76,6 +76,28 @@ def micro_batches(
             yield slice_batch(inputs, 0, 1), slice_batch(targets, 0, 1), 0.0
 
 
+def clip_over_meshes(params: list[nn.Parameter], max_norm: float) -> float:
+    """torch's clip_grad_norm_ for gradients on several device meshes (fsdp x tensor: layers
+    split over "tp" and sharded over "dp" beside layers sharded over "dp" only): torch stacks
+    the per-tensor norms, which DTensor refuses across meshes. One norm per mesh, reduced to
+    a number, then the total; the same clip coefficient as torch's."""
+    by_mesh: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        assert p.grad is not None
+        by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+    squares = 0.0
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        full = getattr(norm, "full_tensor", None)
+        squares += float(full() if full is not None else norm) ** 2
+    total = squares**0.5
+    coef = min(1.0, max_norm / (total + 1e-6))
+    for p in params:
+        assert p.grad is not None
+        p.grad.mul_(coef)
+    return total
+
+
 class StepEssentials:
     """Mixed into Strategy; ``self.cfg`` and ``self.ctx`` are the strategy's."""
 
@@ -95,27 +117,29 @@ class StepEssentials:
     @classmethod
     def check_step_options(cls, cfg: Any) -> None:
         """ValueError, naming the strategy, for a step option it cannot honour."""
-        name = cfg.train.strategy
+        # The mode that steps, as the user named it (in-place recovery steps for ddp).
+        inplace = cfg.fault.recovery == "inplace" and cfg.train.strategy != "ps"
+        name = "--recovery inplace" if inplace else f"--strategy {cfg.train.strategy}"
         if cfg.train.precision == "fp16-mixed" and not cls.supports_fp16:
             raise ValueError(
                 f"precision: fp16-mixed needs a loss scaler whose overflow check every rank "
-                f"agrees on; under --strategy {name} the ranks hold different gradients "
+                f"agrees on; under {name} the ranks hold different gradients "
                 "(shards, stages, or replicas of their own between synchronizations). Use "
                 "--precision bf16-mixed, which needs no scaler"
             )
         if cfg.train.grad_accum > 1 and cls.grad_accum_refusal:
-            raise ValueError(f"grad_accum: under --strategy {name} {cls.grad_accum_refusal}")
+            raise ValueError(f"grad_accum: under {name} {cls.grad_accum_refusal}")
         if cfg.train.compile and cls.compile_refusal:
-            raise ValueError(f"compile: under --strategy {name} {cls.compile_refusal}")
+            raise ValueError(f"compile: under {name} {cls.compile_refusal}")
         if cfg.train.compile and cfg.parallel.tp > 1:  # fsdp x tensor: the same DTensor layers
             raise ValueError(
-                f"compile: under --strategy {name} --tp {cfg.parallel.tp} the layers are "
+                f"compile: under {name} --tp {cfg.parallel.tp} the layers are "
                 "DTensor-parallel, and compiling those is not supported here yet; drop "
                 "--compile or --tp"
             )
         if cfg.train.balance != "none" and (cls.balance_refusal or cfg.parallel.tp > 1):
             why = cls.balance_refusal or "a tensor-parallel group shares one batch (--tp)"
-            raise ValueError(f"balance: under --strategy {name} {why}")
+            raise ValueError(f"balance: under {name} {why}")
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -165,6 +189,9 @@ class StepEssentials:
 
     def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> float:
         """Clip to ``max_norm`` the norm over every rank's gradient; returns that norm."""
+        meshes = {id(getattr(p.grad, "device_mesh", None)) for p in params}
+        if len(meshes) > 1:
+            return clip_over_meshes(params, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         full = getattr(norm, "full_tensor", None)  # a DTensor's norm is reduced over its mesh
         return float(full() if full is not None else norm)
