@@ -1,0 +1,136 @@
+"""Random points of the flag space, for the flag-space fuzzer (tests/unit/test_flag_space.py
+draws many and checks the refusals without starting a process; tests/dist/test_flag_space.py
+trains a few for real, ``make stress`` many more).
+
+A draw is a dict of RunConfig leaf overrides, biased towards combinations that run (most
+draws keep most flags at their defaults, as users do) so that the accepted ones are many and
+the refused ones are the edges. ``argv`` turns it into the command line a user would type.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+STRATEGIES = ("ddp", "fsdp", "local_sgd", "diloco", "pipeline", "tensor", "ps")
+COMPRESSIONS = ("fp16", "bf16", "powersgd:rank=2", "topk:ratio=0.1", "sign")
+
+
+def _maybe(rng: random.Random, p: float, value: Any, default: Any) -> Any:
+    return value if rng.random() < p else default
+
+
+def draw(rng: random.Random, *, trainable: bool = False) -> dict[str, Any]:
+    """One point of the flag space. ``trainable``: sized to train to better than chance in
+    seconds (enough samples and steps), for the draws that run."""
+    strategy = rng.choice(STRATEGIES)
+    d: dict[str, Any] = {
+        "strategy": strategy,
+        "nproc_per_node": rng.randint(1, 4),
+        "model": rng.choice(("cnn", "mlp", "transformer")),
+        "dataset": rng.choices(("digits", "synthetic"), (4, 1))[0],
+        "batch_size": rng.choice((1, 2, 3, 4, 8, 16)),
+        "epochs": rng.randint(1, 3),
+        "seed": rng.randint(0, 99),
+    }
+    if d["dataset"] == "synthetic":
+        d["image_size"] = 8
+    if strategy in ("tensor", "fsdp") and rng.random() < 0.6:
+        d["tp"] = 2
+        d["model"] = "transformer"
+    if strategy == "ps":
+        d["num_servers"] = rng.randint(1, 2)
+        d["nproc_per_node"] = d["num_servers"] + rng.randint(1, 3)
+        d["consistency"] = rng.choice(("bsp", "asp", "ssp"))
+        if d["consistency"] == "ssp":
+            d["staleness"] = rng.randint(0, 2)
+    if strategy in ("local_sgd", "diloco"):
+        d["sync_every"] = rng.randint(1, 4)
+    if strategy == "pipeline":
+        d["microbatches"] = rng.choice((1, 2, 4))
+        d["schedule"] = rng.choice(("gpipe", "1f1b"))
+        d["drop_last"] = rng.random() < 0.5
+    extras = {
+        "recovery": _maybe(rng, 0.15, "inplace", None),
+        "precision": _maybe(rng, 0.3, rng.choice(("bf16-mixed", "fp16-mixed")), None),
+        "grad_accum": _maybe(rng, 0.3, rng.choice((2, 3)), None),
+        "clip_grad_norm": _maybe(rng, 0.25, 1.0, None),
+        "lr_schedule": _maybe(rng, 0.3, rng.choice(("cosine", "linear", "step")), None),
+        "warmup_steps": _maybe(rng, 0.2, 2, None),
+        "eval_every": _maybe(rng, 0.25, 3, None),
+        "compile": _maybe(rng, 0.08, True, None),
+        "activation_checkpointing": _maybe(rng, 0.12, True, None),
+        "balance": _maybe(rng, 0.15, "speed", None),
+        "compression": _maybe(rng, 0.2, rng.choice(COMPRESSIONS), None),
+        "checkpoint_every": _maybe(rng, 0.3, rng.choice((3, "auto")), None),
+        "checkpoint_async": _maybe(rng, 0.15, True, None),
+        "max_steps": _maybe(rng, 0.25, rng.randint(2, 12), None),
+    }
+    d |= {k: v for k, v in extras.items() if v is not None}
+    if d.get("checkpoint_every") == "auto":
+        d["mtbf_s"] = 60.0
+    if d.get("balance") == "speed":
+        d["balance_every"] = 2
+    if trainable:
+        size_to_train(d)
+    else:
+        d["num_samples"] = rng.choice((0, 64, 100))
+    return d
+
+
+def data_parallel_width(d: dict[str, Any]) -> int:
+    """About how many replicas share each step's samples in draw ``d``."""
+    world = d["nproc_per_node"]
+    if d["strategy"] == "ps":
+        return world - d["num_servers"]
+    if d["strategy"] == "pipeline":
+        return 1  # --stages defaults to the world size: one pipeline
+    return world // d.get("tp", 1)
+
+
+def size_to_train(d: dict[str, Any]) -> None:
+    """Enough optimizer steps, of enough samples, to beat chance by far whatever the draw's
+    replicas and accumulation: the CNN and MLP about 60 SGD steps of 8 a replica; the
+    transformer about 135 AdamW steps of 32 over all replicas; DiLoCo's inner steps AdamW, as
+    its paper trains them. Measured: fewer steps or samples, or SGD with momentum under
+    DiLoCo's Nesterov outer step, leave a correct run at chance (0.1), which would read as a
+    failure. Digits; a few seconds of compute."""
+    d["dataset"] = "digits"
+    d.pop("image_size", None)
+    d.pop("max_steps", None)
+    d["width"] = 16
+    if d.get("compression") == "sign" and d["model"] == "transformer" and d.get("tp", 1) == 1:
+        d["model"] = "cnn"  # 1-bit gradients train the transformer too slowly to tell here
+    dp = max(1, data_parallel_width(d))
+    if d["model"] == "transformer":
+        d["batch_size"] = {1: 32, 2: 16, 3: 12}.get(dp, 8)
+        steps, d["num_samples"] = 135, 1437
+    else:
+        d["batch_size"] = 8
+        steps, d["num_samples"] = 60, 640
+    if d["model"] == "transformer" or d["strategy"] == "diloco":
+        d["optimizer"], d["lr"] = "adamw", 0.003
+        steps = max(steps, 100)
+    elif d.get("consistency") in ("asp", "ssp"):
+        d["lr"] = 0.02  # stale gradients under momentum SGD: 0.1 diverged, 0.02 trains
+    else:
+        d["lr"] = 0.1
+    per_step = dp * d["batch_size"] * d.get("grad_accum", 1)
+    d["epochs"] = max(1, -(-steps * per_step // d["num_samples"]))
+
+
+def argv(d: dict[str, Any]) -> list[str]:
+    """The command line of draw ``d`` (booleans as --flag / --no-flag)."""
+    out: list[str] = []
+    for key, value in d.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def describe(d: dict[str, Any]) -> str:
+    """A draw as a test id: every parameter, so a failing one can be typed in again."""
+    return " ".join(argv(d))
