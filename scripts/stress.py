@@ -3,8 +3,9 @@
 Every round is one pytest process over the fault tests (worker kills and hangs, damaged
 checkpoints, node loss, parameter-server worker and server kills, a link's peer killed
 mid-message, a node's beat to node 0 cut or orphaned, in-place recovery, whole
-jobs preempted or killed and run again, the multi-host lab when it can run; not the tests
-there that inject no fault), with a new
+jobs preempted or killed and run again, a preemption signal at each moment of a run, the
+multi-host lab when it can run; not the tests there that inject no fault) and the flag-space
+fuzzer (new combinations checked and trained every round), with a new
 SCALETRAIN_STRESS_SEED, so the bitwise-resume property test draws new configurations and
 kill points each round
 (SCALETRAIN_RESUME_DRAWS of them; default 3 a round here, 6 in ``make test``).
@@ -52,6 +53,9 @@ FAULT_TESTS = [
     "tests/dist/test_inplace.py",
     "tests/dist/test_failures.py",
     "tests/dist/test_jobs.py",
+    "tests/dist/test_preempt_anytime.py",  # every moment under a stress seed (3 in make test)
+    "tests/unit/test_flag_space.py",  # 400 new drawn combinations a round (120 fixed ones)
+    "tests/dist/test_flag_space.py",  # SCALETRAIN_FLAG_DRAWS trained a round
     "tests/e2e/test_netns.py",
 ]
 # Tests in those files that inject no fault: accuracy under each optimizer and consistency
@@ -120,8 +124,9 @@ def rounds_of_the_same_code(records: list[dict], commit: str, repo: Path = REPO)
 
 
 def name_of(test: str) -> str:
-    """Property draws differ between rounds: they count under one name."""
-    return re.sub(r"\[.*\]$", "[draw]", test) if "resume_property" in test else test
+    """Property and fuzzer draws differ between rounds: they count under one name."""
+    drawn = "resume_property" in test or "test_an_accepted_combination_trains" in test
+    return re.sub(r"\[.*\]$", "[draw]", test) if drawn else test
 
 
 def print_counts(title: str, runs: collections.Counter[str], passed: collections.Counter[str]):
@@ -135,6 +140,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=int(os.environ.get("ROUNDS", "20")))
     parser.add_argument("--draws", type=int, default=3, help="property draws per round")
+    parser.add_argument("--flag-draws", type=int, default=6,
+                        help="flag-space combinations trained per round")  # fmt: skip
     parser.add_argument("--seed", type=int, default=int(time.time()), help="first round's seed")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
@@ -145,7 +152,8 @@ def main() -> int:
     for round_ in range(args.rounds):
         seed = args.seed + round_
         env = dict(os.environ, SCALETRAIN_STRESS_SEED=str(seed),
-                   SCALETRAIN_RESUME_DRAWS=str(args.draws))  # fmt: skip
+                   SCALETRAIN_RESUME_DRAWS=str(args.draws),
+                   SCALETRAIN_FLAG_DRAWS=str(args.flag_draws))  # fmt: skip
         started = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-rA", "-q", "-p", "no:cacheprovider",

@@ -48,13 +48,13 @@ def report_page(tmp_path_factory):
 
 def test_report_of_two_world_sizes_and_a_failure(report_page):
     page = report_page.read_text()
-    for title in ("Loss", "Test accuracy and learning rate", "Samples per second per rank",
-                  "Step time breakdown", "The job&#x27;s time", "Scaling",
-                  "Recoveries of two"):  # fmt: skip
+    for title in ("Loss", "Test accuracy during training", "Learning rate",
+                  "Samples per second per rank", "Step time breakdown", "The job&#x27;s time",
+                  "Scaling", "Recoveries of two"):  # fmt: skip
         assert f"<h2>{title}</h2>" in page
     assert "Staleness" not in page  # no parameter-server run here
     images = embedded_images(page)
-    assert len(images) == 7 and all(i.width > 300 and i.height > 200 for i in images)
+    assert len(images) == 8 and all(i.width > 300 and i.height > 200 for i in images)
     assert "one" in page and "two" in page
 
 
@@ -80,7 +80,7 @@ def test_report_in_headless_chromium(report_page, tmp_path):
         images = driver.execute_script(
             "return Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])"
         )
-        assert len(images) == 7
+        assert len(images) == 8
         for alt, complete, width in images:
             assert complete and width > 300, alt
         assert driver.title == "scaletrain report"
@@ -122,3 +122,23 @@ def test_report_shows_balance_shares_and_each_pushs_learning_rate(tmp_path):
     applied = [r for r in records if r["committed"]]
     # Each push's lr is --lr (0.05, the default) times its factor: 1 / (1 + staleness).
     assert applied and all(r["lr"] == pytest.approx(0.05 / (1 + r["staleness"])) for r in applied)
+
+
+def test_a_plot_without_data_says_why_in_one_line(report_page):
+    """The 1-worker run alone (no --eval-every, a constant learning rate): no empty axes;
+    each missing plot says in one line why it is missing."""
+    one = report_page.parent.parent / "one"
+    out = report_page.parent / "one.html"
+    assert run_cli("report", str(one), "--out", str(out), timeout=120).returncode == 0
+    page = out.read_text()
+    assert 'alt="Test accuracy during training"' not in page
+    assert 'alt="Learning rate"' not in page
+    assert "Not scored during training (--eval-every N" in page
+    assert "Constant: 0.05 at every step" in page
+
+
+def test_rolling_mean():
+    from scaletrain.analysis.report import rolling_mean
+
+    assert rolling_mean([2.0, 4.0, 6.0, 8.0], 2) == [2.0, 3.0, 5.0, 7.0]
+    assert rolling_mean([], 3) == []

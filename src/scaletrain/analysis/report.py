@@ -106,33 +106,67 @@ def plot_loss(runs: list[Run]) -> str:
     return png(fig)
 
 
-def plot_eval_and_lr(runs: list[Run]) -> str | None:
-    """Test accuracy during training (--eval-every) and the learning rate, by step."""
-    if not any(run.series("test_accuracy")[0] or run.series("lr")[0] for run in runs):
+def plot_eval(runs: list[Run]) -> str | None:
+    """Test accuracy during training (--eval-every), by step; None when no run scored."""
+    scored = [(run, run.series("test_accuracy")) for run in runs]
+    if not any(steps for _, (steps, _) in scored):
         return None
-    fig, (acc, lr) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for run in runs:
-        steps, values = run.series("test_accuracy")
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    for run, (steps, values) in scored:
         if steps:
-            acc.plot(steps, values, marker=".", label=run.label)
-        steps, values = run.series("lr")
-        if steps:
-            lr.plot(steps, values, label=run.label)
-    acc.set(xlabel="step", ylabel="test accuracy", title="evaluation during training")
-    lr.set(xlabel="step", ylabel="learning rate", title="learning rate")
-    lr.legend(fontsize=8)
+            ax.plot(steps, values, marker=".", label=run.label)
+    ax.set(xlabel="step", ylabel="test accuracy", title="evaluation during training")
+    ax.legend(fontsize=8)
     return png(fig)
 
 
+def constant_lr(runs: list[Run]) -> float | None:
+    """The learning rate every run trained with at every step, when there is one."""
+    rates = {v for run in runs for v in run.series("lr")[1]}
+    return rates.pop() if len(rates) == 1 else None
+
+
+def plot_lr(runs: list[Run]) -> str | None:
+    """The learning rate by step; None when it never changed (or no run recorded one)."""
+    if not any(run.series("lr")[0] for run in runs) or constant_lr(runs) is not None:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    for run in runs:
+        steps, values = run.series("lr")
+        if steps:
+            ax.plot(steps, values, label=run.label)
+    ax.set(xlabel="step", ylabel="learning rate", title="learning rate")
+    ax.legend(fontsize=8)
+    return png(fig)
+
+
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_rank_rates(runs: list[Run]) -> str:
+    """Each rank's samples/s per step: the raw points faint (one step is noisy: a
+    collective's wait, a checkpoint), a rolling mean over them as the line to read."""
     fig, ax = plt.subplots(figsize=(11, 3.8))
     for run in runs:
         ranks = sorted({r["rank"] for r in run.records})
         for rank in ranks:
             mine = [r for r in run.records if r["rank"] == rank and r["step_s"] > 0]
-            ax.plot([r["step"] for r in mine], [r["samples"] / r["step_s"] for r in mine],
-                    linewidth=0.8, label=f"{run.dir.name} rank {rank}")  # fmt: skip
-    ax.set(xlabel="step", ylabel="samples/s", title="samples per second of each rank")
+            steps = [r["step"] for r in mine]
+            rates = [r["samples"] / r["step_s"] for r in mine]
+            window = max(5, len(rates) // 20)
+            (line,) = ax.plot(steps, rolling_mean(rates, window), linewidth=1.2,
+                              label=f"{run.dir.name} rank {rank}")  # fmt: skip
+            ax.scatter(steps, rates, s=3, alpha=0.25, color=line.get_color())
+    title = "samples per second of each rank (dots: each step; line: rolling mean)"
+    ax.set(xlabel="step", ylabel="samples/s", title=title)
     ax.legend(fontsize=7, ncol=4)
     return png(fig)
 
@@ -292,13 +326,22 @@ def build_report(run_dirs: list[Path]) -> str:
     runs = [Run(d) for d in run_dirs]
     sections = [("Runs", headline_rows(runs))]
 
-    def image(title: str, data: str | None) -> None:
+    def image(title: str, data: str | None, why_not: str = "") -> None:
+        """A plot; where it has no data, one line that says why (or nothing at all)."""
         if data is not None:
             alt = html.escape(title)
             sections.append((title, f'<img alt="{alt}" src="data:image/png;base64,{data}">'))
+        elif why_not:
+            sections.append((title, f'<p class="none">{html.escape(why_not)}</p>'))
 
     image("Loss", plot_loss(runs))
-    image("Test accuracy and learning rate", plot_eval_and_lr(runs))
+    image("Test accuracy during training", plot_eval(runs),
+          "Not scored during training (--eval-every N scores the test split every N steps); "
+          "the final test accuracy is in the table above.")  # fmt: skip
+    rate = constant_lr(runs)
+    image("Learning rate", plot_lr(runs),
+          f"Constant: {rate:g} at every step (--lr-schedule constant, no warmup)."
+          if rate is not None else "")  # fmt: skip
     image("Samples per second per rank", plot_rank_rates(runs))
     image("Step time breakdown", plot_breakdown(runs))
     image("The job's time", plot_job_time(runs))
