@@ -58,6 +58,15 @@ class Compressor(ABC):
         """Multi-round compressors: the next round's payload from this round's result."""
         raise NotImplementedError
 
+    def forget(self, key: Hashable) -> None:
+        """Drop what this compressor remembers of ``key`` (error feedback, a warm start). The
+        hook calls it on every rank alike after a step whose decoded gradient is not finite
+        (an fp16 overflow, which the loss scaler then skips): that memory holds inf or NaN
+        by then, and kept, it made every later step overflow too."""
+        residuals = getattr(self, "residuals", None)
+        if isinstance(residuals, Residuals):
+            residuals.drop(key)
+
 
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
@@ -79,6 +88,9 @@ class Residuals:
 
     def set(self, key: Hashable, residual: torch.Tensor) -> None:
         self._store[key] = residual
+
+    def drop(self, key: Hashable) -> None:
+        self._store.pop(key, None)
 
     def held(self, key: Hashable) -> torch.Tensor | None:
         """What is held back for ``key`` (for inspection)."""

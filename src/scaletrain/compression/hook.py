@@ -106,6 +106,13 @@ def _collective(state: HookState) -> str:
     return "all_gather" if state.gathers else state.compressor.collective
 
 
+def forget_if_not_finite(compressor: Compressor, key: Any, decoded: torch.Tensor) -> None:
+    """After an overflowed step (fp16: the loss scaler will skip it), the compressor's memory
+    of the bucket is dropped. ``decoded`` is the same on every rank, so all drop it alike."""
+    if not torch.isfinite(decoded).all():
+        compressor.forget(key)
+
+
 def compressed_hook(
     state: HookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -135,6 +142,7 @@ def compressed_hook(
     def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
         fut.value()  # re-raises a failed collective
         compressor.decompress(key, result(), grad)
+        forget_if_not_finite(compressor, key, grad)
         state.timer.record(
             start, state.timer.now(), sent, dense - dense_share * (compressor.rounds - 1)
         )

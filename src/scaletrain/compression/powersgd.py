@@ -147,6 +147,12 @@ class PowerSGDCompressor(Compressor):
         if self.warm_start:
             self.qt[key] = qts
 
+    def forget(self, key: Hashable) -> None:
+        """Also the warm start: Q computed from a non-finite gradient is NaN. Every rank
+        forgets at the same step, so their next Q (drawn from the same generator) agrees."""
+        super().forget(key)
+        self.qt.pop(key, None)
+
     def ratio(self, shapes: Shapes) -> float:
         dense = sum(prod(s) for s in shapes)
         sent = 0
