@@ -10,7 +10,7 @@ PIP_CONSTRAINT_FLAGS = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: install demo test test-fast stress lint bench clean
+.PHONY: install demo test test-fast stress fuzz lint bench clean
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ test: install
 # The fault tests ROUNDS times (default 20), new random draws each round; pass counts per test.
 stress: install
 	$(BIN)/python scripts/stress.py --rounds $(or $(ROUNDS),20)
+
+# The flag-space fuzzer alone, ROUNDS times (default 10): new combinations checked and
+# trained each round (make stress runs it too, with every fault test).
+fuzz: install
+	$(BIN)/python scripts/stress.py --rounds $(or $(ROUNDS),10) --flag-draws 8 \
+		--only tests/unit/test_flag_space.py tests/dist/test_flag_space.py
 
 test-fast: install
 	$(BIN)/pytest tests/unit

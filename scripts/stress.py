@@ -23,7 +23,11 @@ documentation and this runner (see NOT_UNDER_TEST): a commit that only fixes the
 keeps the rounds of its parent, one that changes a line of src/ or tests/ starts from none.
 A round of a modified tree is not recorded: it tests code that no commit names.
 
-    python scripts/stress.py [--rounds N] [--draws D] [--seed S] [-- extra pytest args]
+    python scripts/stress.py [--rounds N] [--draws D] [--flag-draws F] [--seed S]
+                             [--only TEST_FILE ...] [-- extra pytest args]
+
+A round restricted with --only (the fuzzer's rounds: ``make fuzz``) is recorded with its
+files, and does not count as a full round of the same code.
 """
 
 from __future__ import annotations
@@ -143,6 +147,14 @@ def main() -> int:
     parser.add_argument("--flag-draws", type=int, default=6,
                         help="flag-space combinations trained per round")  # fmt: skip
     parser.add_argument("--seed", type=int, default=int(time.time()), help="first round's seed")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="PATH",
+        default=None,
+        help="these test files instead of every fault test (e.g. the fuzzer's "
+        "two: tests/unit/test_flag_space.py tests/dist/test_flag_space.py)",
+    )
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
     passed: collections.Counter[str] = collections.Counter()
@@ -157,7 +169,8 @@ def main() -> int:
         started = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-rA", "-q", "-p", "no:cacheprovider",
-             *FAULT_TESTS, *(f"--deselect={t}" for t in NOT_FAULT_TESTS), *args.pytest_args],
+             *(args.only or FAULT_TESTS), *(f"--deselect={t}" for t in NOT_FAULT_TESTS),
+             *args.pytest_args],
             cwd=REPO, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         results = RESULT.findall(proc.stdout)
@@ -183,7 +196,8 @@ def main() -> int:
         if commit is not None:  # a crashed round too: it failed
             append_jsonl(LEDGER, {
                 "commit": commit, "seed": seed, "exit": proc.returncode, "pytest_args":
-                args.pytest_args, "seconds": round(time.monotonic() - started),
+                [*args.pytest_args, *(["--only", *args.only] if args.only else [])],
+                "seconds": round(time.monotonic() - started),
                 "unix_time": time.time(), "results": [list(r) for r in results],
             })  # fmt: skip
     print_counts("passes per test", runs, passed)

@@ -34,6 +34,7 @@ from scaletrain.fault.inject import parse_inject
 from scaletrain.fault.recoveries import mark_resumed, note_recovery
 from scaletrain.fault.recovery import Progress
 from scaletrain.lifecycle import FinishReport, FleetWorld, GroupWorld, Preempted, World
+from scaletrain.metrics import phases
 from scaletrain.metrics.evaluation import score
 from scaletrain.metrics.sinks import StepSinks
 from scaletrain.metrics.summary import RankTotals, params_sha256, peak_rss_bytes
@@ -152,6 +153,7 @@ class Trainer:
         for fault in self.faults:
             fault.before_step(step, rank, restarts)
         t0 = time.perf_counter()
+        phases.mark("first_step")  # once: the first step this process begins
         self.watchdog.enter(step, "planning the step", self.strategy.plan_collective)
         plan = self.plan.next_step(self.progress)
         if plan is None:
@@ -323,6 +325,8 @@ class Trainer:
         totals = self.totals
         totals.memory = self.strategy.memory_bytes()
         totals.peak_rss_bytes = peak_rss_bytes()
+        totals.open_fds = phases.open_fds()
+        totals.phases = phases.marks()
         if self.strategy.holds_replica:
             totals.params_sha256 = params_sha256(self.strategy.model)
         totals.step, totals.samples_trained = self.progress.step, self.progress.samples_trained

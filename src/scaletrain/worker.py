@@ -1,3 +1,4 @@
+# ruff: noqa: E402 (STARTED, below, is taken before the imports that follow it)
 """Entry point of one worker process: ``python -m scaletrain.worker RUN_DIR``.
 
 The elastic agent starts one per local rank with RANK, WORLD_SIZE, ... in the environment.
@@ -8,6 +9,10 @@ tell the user which rank failed and why.
 """
 
 from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # before the imports: the phases of start-up (metrics/phases.py)
 
 import logging
 import os
@@ -56,8 +61,12 @@ def main(argv: list[str]) -> None:
     # Imported here, under @record: an import error (a broken install, a user task's module)
     # then reaches the error file and the launcher's report like any other failure.
     from scaletrain.fault.jobs import current_job_run
+    from scaletrain.metrics.phases import mark
     from scaletrain.task import build_task
     from scaletrain.trainer import Trainer
+
+    mark("process", STARTED)
+    mark("imported")
 
     # Which job run this is, as node 0 recorded it (another node's launcher may have
     # started before it wrote the line): every node's workers label their records alike.
@@ -75,8 +84,10 @@ def main(argv: list[str]) -> None:
     # The restart mode's processes form one torch.distributed world; the others (torchft
     # replicas, parameter-server workers) are each supervised on their own (lifecycle.py).
     ctx = init_distributed(cfg) if mode == "restart" else fleet_context(cfg, mode)
+    mark("group")
     try:
         trainer = Trainer(cfg, ctx, build_task(cfg), run_dir)
+        mark("model")
         _KEEP_ALIVE.append(trainer)
         summary = trainer.fit()
         if summary is not None:

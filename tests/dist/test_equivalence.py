@@ -125,3 +125,9 @@ def test_metrics_contract(single):
     lost = summary["time_lost"]
     assert lost["restart_s"] == 0 and lost["failure_detection_s"] == 0
     assert lost["between_steps_s"] > 0
+    # Where start-up went, by phase (medians over ranks), and what each process held.
+    startup = summary["startup"]
+    assert set(startup) == {"launch_s", "imported_s", "group_s", "model_s", "first_step_s",
+                            "slowest_process_to_first_step_s"}  # fmt: skip
+    assert startup["imported_s"] > 0.1 and all(v >= 0 for v in startup.values())
+    assert summary["max_rank_open_fds"] > 3

@@ -72,29 +72,21 @@ REFUSED = {
     ("ps", "balance"): "leases are dealt by the servers",
 }
 # Cells that run together (one run per group and mode, with every flag of the group that
-# the mode accepts). Faults each get a run; so do the flags that change the model or its
-# code (compile, activation checkpointing) and the async writer.
+# the mode accepts; a later flag's value wins). Faults get runs of their own (the damaged
+# checkpoint's run kills rank 1 too, so in the restart mode it is the kill's run, and its
+# synchronous checkpoints are the ones --checkpoint-every writes there, beside the steady
+# run's asynchronous ones); so do the flags that change the model or its code.
+# fmt: off
 GROUPS = {
-    "steady": [
-        "checkpoint-every",
-        "hang-timeout",
-        "max-steps",
-        "inject slow",
-        "eval",
-        "precision",
-        "grad-accum",
-        "clip-grad-norm",
-        "lr-schedule",
-        "eval-every",
-        "balance",
-    ],  # fmt: skip
-    "async": ["checkpoint-async"],
-    "kill": ["inject kill"],
+    "steady": ["checkpoint-every", "checkpoint-async", "hang-timeout", "max-steps",
+               "inject slow", "eval", "precision", "grad-accum", "clip-grad-norm",
+               "lr-schedule", "eval-every", "balance"],
+    "faults": ["inject kill", "inject corrupt"],
     "hang": ["inject hang"],
-    "corrupt": ["inject corrupt"],
     "compile": ["compile"],
     "blocks": ["activation-checkpointing"],
 }
+# fmt: on
 GROUP_OF = {flag: group for group, flags in GROUPS.items() for flag in flags}
 
 

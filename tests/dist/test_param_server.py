@@ -266,11 +266,11 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
 
 @pytest.mark.parametrize(
     ("optimizer", "consistency"),
+    # Each optimizer and each asynchronous rule once, crossed (the other two pairings were
+    # measured alike, below; the fuzzer draws them too).
     [(["--optimizer", "sgd", "--lr", "0.05"], ["--consistency", "asp"]),
-     (["--optimizer", "sgd", "--lr", "0.05"], ["--consistency", "ssp", "--staleness", "2"]),
-     (["--optimizer", "adam", "--lr", "0.002"], ["--consistency", "asp"]),
      (["--optimizer", "adam", "--lr", "0.002"], ["--consistency", "ssp", "--staleness", "2"])],
-    ids=["sgd-asp", "sgd-ssp2", "adam-asp", "adam-ssp2"],
+    ids=["sgd-asp", "adam-ssp2"],
 )  # fmt: skip
 def test_asynchronous_modes_train_with_ddps_optimizer_flags(tmp_path, optimizer, consistency):
     """The staleness-aware rule (the default: each push at --lr / (1 + its staleness)) lets

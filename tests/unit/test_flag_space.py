@@ -49,17 +49,14 @@ def check(d: dict, capsys) -> int:
     return code
 
 
-@settings(max_examples=400 if STRESS else 120, deadline=None, database=None,
+@settings(max_examples=1000 if STRESS else 300, deadline=None, database=None,
           derandomize=not STRESS, suppress_health_check=list(HealthCheck))  # fmt: skip
 @given(seed=st.integers(0, 2**32 - 1))
 def test_every_combination_is_accepted_or_refused_naming_a_flag(seed, capsys):
     check(draw(random.Random(seed)), capsys)
 
 
-# Combinations that once crashed or were refused without a reason: fixed examples.
-FIXED: list[dict] = []
-
-
-@pytest.mark.parametrize("d", FIXED, ids=[" ".join(argv(d)) for d in FIXED])
-def test_fixed_examples(d, capsys):
-    check(d, capsys)
+def test_the_checks_can_fail(capsys):
+    """Not vacuous: a refusal that names no drawn flag, or a traceback, fails the check."""
+    with pytest.raises(AssertionError, match="none of them drawn"):
+        check({"strategy": "ps", "nproc_per_node": 1}, capsys)  # "num_servers: ..." not drawn

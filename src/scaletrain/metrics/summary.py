@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from scaletrain.config import clip_scope
+from scaletrain.metrics.phases import startup_summary
 from scaletrain.metrics.timers import overlap_ratio
 
 
@@ -81,6 +82,8 @@ class RankTotals:
     device: str = "cpu"
     steps_per_epoch: int = 0  # under this process's last membership
     compiled_graphs: int = 0  # --compile: the graphs torch.compile captured
+    open_fds: int = 0  # file descriptors held at the end
+    phases: dict[str, float] = field(default_factory=dict)  # start-up marks (phases.py)
 
     def add(self, record: dict[str, Any]) -> None:
         self.steps += 1
@@ -218,6 +221,9 @@ def summarize(
         summary["wall_s"] = job["wall_s"]
         summary["samples_per_s"] = samples / job["wall_s"] if job["wall_s"] > 0 else None
         summary["goodput"] = job["goodput"]
+        runs = [j for j in read_jsonl(run_dir / "logs" / "job_runs.jsonl") if "started_at" in j]
+        launched = runs[-1]["started_at"] if runs else None
+        summary["startup"] = startup_summary([r.phases for r in finals], launched)
         summary["time_lost"] = job["lost"]
         summary["job_runs"] = job["job_runs"]
     return summary
@@ -283,6 +289,7 @@ def build_summary(
         # peak RSS (which also counts torch itself, data and activations).
         "max_rank_state_bytes": max((sum(r.memory.values()) for r in ranks), default=0),
         "max_rank_peak_rss_bytes": max(r.peak_rss_bytes for r in ranks),
+        "max_rank_open_fds": max(r.open_fds for r in ranks),
         # --compile: graphs torch.compile captured on the rank that captured the fewest
         # (0 means some rank ran eagerly after all).
         "compiled_graphs": min(r.compiled_graphs for r in ranks),

@@ -1,0 +1,262 @@
+"""Claim: every mode runs at 1, 2, 4, 8, 16 and 32 processes on this 2-core machine, keeps its
+promises at 32 (the sample-weighted math, every sample once per epoch), and where the time
+goes grows no faster than the world does.
+
+Each worker computes on a *sleeping device* (sleeping_device.py: the MLP's real arithmetic is
+tiny; each layer sleeps --device-ms per sample forward, twice that backward), so 32 workers do
+not fight over 2 cores and what is measured is scaletrain's machinery and the communication.
+What the emulation leaves out: a device's own memory and host link, kernels that overlap
+communication on their own streams, and the real network between hosts (every process here
+talks over loopback; benchmarks over shaped links are the netns lab's). What it cannot hide:
+every process still imports torch and builds its model on the 2 shared cores, so start-up
+grows with W here where a cluster's hosts would each start their own.
+
+Weak scaling: every world trains 2 samples per worker per step, about 25 steps an epoch, 2
+epochs, a checkpoint every 10 steps. For each run the table gives launch to first step (and
+its phases: interpreter start to torch imported, the process group, the model built and
+wrapped), the steady step split into compute (the sleeping device), communication and the
+loop's own overhead, last step to summary.json, a checkpoint's save, peak memory and open
+file descriptors per process. A figure that grows faster than W between 8 and 32 is flagged.
+
+Checks (exit status 1 when one fails): every run completes; at 32, ddp with per-worker batch
+2 ends with the weights of one process with batch 64 (within 1e-5); every run trains every
+sample of every epoch exactly once (--log-sample-ids).
+
+    python benchmarks/scale.py [--worlds 1,2,4,8,16,32] [--modes ddp,fsdp,...] [--device-ms 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from floors import Floors  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FLOORS = Floors()
+TASK = str(REPO / "benchmarks" / "sleeping_device.py") + ":build_task"
+DIGITS = 1437
+
+Overrides = dict[str, Any]
+
+
+def ps(w: int) -> Overrides | None:
+    """4 servers and 28 workers at 32: a server per 8 processes."""
+    if w < 2:
+        return None
+    return {"strategy": "ps", "num_servers": max(1, w // 8), "barrier_timeout_s": 300.0}
+
+
+# mode -> world size -> the mode's flags (None: the mode cannot run at that size).
+MODES: dict[str, Callable[[int], Overrides | None]] = {
+    "ddp": lambda w: {},
+    "fsdp": lambda w: {"strategy": "fsdp"},
+    "local_sgd": lambda w: {"strategy": "local_sgd", "sync_every": 4},
+    "diloco": lambda w: {"strategy": "diloco", "sync_every": 4},
+    "ps": ps,
+    "inplace": lambda w: {"recovery": "inplace", "checkpoint_every": 0},
+    "pipeline": lambda w: (
+        None if w < 2 or w % 2 else {"strategy": "pipeline", "stages": 2, "microbatches": 2}
+    ),
+    "fsdp_tp": lambda w: (
+        None if w < 2 or w % 2 else {"strategy": "fsdp", "tp": 2, "model": "transformer"}
+    ),
+    "balance": lambda w: {"balance": "speed", "balance_every": 5},
+}
+
+
+def flags(overrides: Overrides) -> list[str]:
+    out: list[str] = []
+    for key, value in overrides.items():
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
+def launch(out: Path, w: int, overrides: Overrides, device_ms: float) -> dict[str, Any]:
+    """One run of ``w`` processes; its summary, or {"error": ...}."""
+    per_worker = 2
+    samples = min(DIGITS, 25 * per_worker * w)
+    base: Overrides = {
+        "task": TASK, "dataset": "digits", "model": "mlp", "width": 16,
+        "nproc_per_node": w, "batch_size": per_worker, "num_samples": samples, "epochs": 2,
+        "seed": 1, "num_threads": 1, "checkpoint_every": 10, "log_sample_ids": True,
+        "timeout_s": 600.0,
+    }  # fmt: skip
+    cmd = [sys.executable, "-m", "scaletrain", "run", *flags({**base, **overrides}),
+           "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, SCALETRAIN_DEVICE_MS=str(device_ms))
+    started = time.monotonic()
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    if result.returncode != 0:
+        return {"error": result.stderr.strip().splitlines()[-1][:200] if result.stderr else "?"}
+    summary = json.loads((out / "summary.json").read_text())
+    summary["command_s"] = time.monotonic() - started
+    return summary
+
+
+def read_records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def exactly_once(out: Path, num_samples: int) -> bool:
+    """Every sample of every epoch trained once (applied steps; a ps push not applied
+    trained nothing)."""
+    seen: dict[int, list[int]] = defaultdict(list)
+    for r in read_records(out):
+        if r.get("committed", True) and r["samples"]:
+            seen[r["epoch"]] += r["sample_ids"]
+    return bool(seen) and all(sorted(ids) == list(range(num_samples)) for ids in seen.values())
+
+
+def steady(out: Path) -> dict[str, float]:
+    """Median per-step times (ms) after the first 3 steps, over rank 0's records: the step,
+    its compute (the device), communication, and the loop's own share (the rest of the step,
+    plus the gap before the next step)."""
+    mine = [r for r in read_records(out) if r["rank"] == 0 and r["step"] > 3]
+    if len(mine) < 3:
+        return {}
+    gaps = [
+        b["unix_time"] - b["step_s"] - a["unix_time"] for a, b in zip(mine, mine[1:], strict=False)
+    ]
+    step = statistics.median(r["step_s"] for r in mine)
+    compute = statistics.median(r["compute_s"] for r in mine)
+    comm = statistics.median(r["comm_s"] for r in mine)
+    waited = statistics.median(r["wait_s"] + r["data_s"] for r in mine)
+    return {
+        "step_ms": 1e3 * step,
+        "compute_ms": 1e3 * compute,
+        "comm_ms": 1e3 * comm,
+        "overhead_ms": 1e3
+        * (max(step - compute - waited, 0.0) + max(statistics.median(gaps), 0.0)),
+    }
+
+
+def row_of(mode: str, w: int, summary: dict[str, Any], out: Path) -> dict[str, Any]:
+    startup = summary.get("startup", {})
+    lost = summary.get("time_lost", {})
+    ckpt = summary.get("checkpointing") or {}
+    return {
+        "mode": mode,
+        "W": w,
+        "launch_to_first_step_s": lost.get("startup_s"),
+        "imports_s": startup.get("imported_s"),
+        "group_s": startup.get("group_s"),
+        "model_s": startup.get("model_s"),
+        **steady(out),
+        "finish_s": lost.get("finish_s"),
+        "checkpoint_save_s": ckpt.get("cost_s"),
+        "peak_rss_mb": summary.get("max_rank_peak_rss_bytes", 0) / 1e6,
+        "open_fds": summary.get("max_rank_open_fds"),
+        "command_s": summary.get("command_s"),
+    }
+
+
+COLUMNS = (
+    "launch_to_first_step_s", "imports_s", "group_s", "model_s", "step_ms", "compute_ms",
+    "comm_ms", "overhead_ms", "finish_s", "checkpoint_save_s", "peak_rss_mb", "open_fds",
+)  # fmt: skip
+
+
+def growth(rows: list[dict[str, Any]], column: str) -> float | None:
+    """The exponent k of column ~ W^k between W=8 and the largest W (None without both)."""
+    by_w = {r["W"]: r.get(column) for r in rows if r.get(column)}
+    big = max(by_w, default=0)
+    if 8 not in by_w or big <= 8 or by_w[8] <= 0:
+        return None
+    return math.log(by_w[big] / by_w[8]) / math.log(big / 8)
+
+
+def equivalence(root: Path, device_ms: float) -> float:
+    """Max |w32 - w1| over the final weights: 32 workers x 2 against 1 worker x 64."""
+    import torch
+
+    runs = {}
+    for w, batch in ((32, 2), (1, 64)):
+        out = root / f"equal-w{w}"
+        cmd = [sys.executable, "-m", "scaletrain", "run", "--task", TASK, "--dataset", "digits",
+               "--model", "mlp", "--width", "16", "--nproc-per-node", str(w), "--batch-size",
+               str(batch), "--num-samples", "640", "--epochs", "2", "--seed", "3",
+               "--deterministic", "--num-threads", "1", "--timeout-s", "600",
+               "--out", str(out)]  # fmt: skip
+        env = dict(os.environ, SCALETRAIN_DEVICE_MS=str(device_ms))
+        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            print(result.stderr[-2000:])
+            return math.inf
+        runs[w] = torch.load(out / "checkpoints" / "final.pt", weights_only=True)["model"]
+    return max((runs[32][k] - runs[1][k]).abs().max().item() for k in runs[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="1,2,4,8,16,32")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--device-ms", type=float, default=2.0)
+    parser.add_argument("--out", default=str(REPO / "runs" / "scale"))
+    args = parser.parse_args()
+    root = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    worlds = [int(w) for w in args.worlds.split(",")]
+    rows: list[dict[str, Any]] = []
+    print(f"sleeping device: {args.device_ms:g} ms per sample forward, twice that backward; "
+          f"runs under {root}", flush=True)  # fmt: skip
+    for mode in args.modes.split(","):
+        for w in worlds:
+            overrides = MODES[mode](w)
+            if overrides is None:
+                continue
+            out = root / f"{mode}-w{w}"
+            summary = launch(out, w, overrides, args.device_ms)
+            ok = "error" not in summary
+            FLOORS.check(f"{mode} at W={w} completes", ok)
+            if not ok:
+                print(f"{mode:>9} W={w:<3} FAILED: {summary['error']}", flush=True)
+                continue
+            once = exactly_once(out, min(DIGITS, 25 * 2 * w))
+            FLOORS.check(f"{mode} at W={w}: every sample once per epoch", once)
+            row = row_of(mode, w, summary, out)
+            rows.append(row)
+            print(f"{mode:>9} W={w:<3} start {row['launch_to_first_step_s']:.1f} s, step "
+                  f"{row.get('step_ms', math.nan):.1f} ms (overhead "
+                  f"{row.get('overhead_ms', math.nan):.1f}), finish {row['finish_s']:.1f} s, "
+                  f"{row['peak_rss_mb']:.0f} MB, {row['open_fds']} fds; once per epoch: "
+                  f"{'yes' if once else 'NO'}", flush=True)  # fmt: skip
+    table = Path(args.out) / "scale.csv"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    with table.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["mode", "W", *COLUMNS, "command_s"],
+                                extrasaction="ignore")  # fmt: skip
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\ntable: {table}")
+    print("\ngrowth from W=8 to the largest (exponent k of W^k; > 1.2 is a finding):")
+    for mode in args.modes.split(","):
+        mine = [r for r in rows if r["mode"] == mode]
+        ks = {c: growth(mine, c) for c in ("launch_to_first_step_s", "step_ms", "overhead_ms",
+                                           "finish_s", "peak_rss_mb", "open_fds")}  # fmt: skip
+        shown = ", ".join(f"{c} {k:.2f}" + (" FINDING" if k > 1.2 else "")
+                          for c, k in ks.items() if k is not None)  # fmt: skip
+        if shown:
+            print(f"  {mode}: {shown}")
+    if 32 in worlds and "ddp" in args.modes:
+        diff = equivalence(root, args.device_ms)
+        print(
+            f"\n32 workers x 2 vs 1 worker x 64: max weight difference {diff:.2e} "
+            f"{FLOORS.check('32 x 2 equals 1 x 64 within 1e-5', diff <= 1e-5)}"
+        )
+    FLOORS.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""A task whose model computes on a *sleeping device*: the built-in model (--model, on the
+built-in data) does its real arithmetic, which is tiny, and each of its top-level layers
+also sleeps SCALETRAIN_DEVICE_MS milliseconds per sample in forward (split evenly over the
+layers) and twice that in backward, as an accelerator would be busy while the host waits.
+
+Sleeping processes do not compete for this machine's cores, so 32 workers behave as 32
+devices would, and what a benchmark measures is scaletrain's own machinery (launch,
+rendezvous, collectives, checkpoints, the loop's per-step work) and the communication, not
+a 2-core host's arithmetic. What the emulation leaves out: the device's memory and its
+bandwidth to the host, kernels that overlap communication on their own streams, and any
+speed-up from a larger batch per device (a sleep is linear in the samples).
+
+The hooks change neither the model's parameters nor its names, so every strategy (the
+pipeline's cuts, tensor-parallel plans, FSDP units) sees the built-in model it knows, and
+the weights are those of the same run without sleeps.
+
+    scaletrain run --task benchmarks/sleeping_device.py:build_task --model mlp ...
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletrain.config import RunConfig
+from scaletrain.task import Task, build_builtin_task
+
+DEVICE_MS = "SCALETRAIN_DEVICE_MS"  # per sample, forward; backward sleeps twice this
+
+
+class DeviceTime(torch.autograd.Function):
+    """Identity that sleeps ``seconds`` in forward and twice that in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+def add_device_time(model: nn.Module, ms_per_sample: float) -> None:
+    """Every top-level layer's output passes through DeviceTime for its share of the time."""
+    layers = list(model.children()) or [model]
+    share = ms_per_sample * 1e-3 / len(layers)
+
+    def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            return DeviceTime.apply(output, share * output.shape[0])
+        return output
+
+    for layer in layers:
+        layer.register_forward_hook(hook)
+
+
+def build_task(cfg: RunConfig) -> Task:
+    """The built-in task of ``cfg`` (its --model on its --dataset), on a sleeping device."""
+    task = build_builtin_task(cfg)  # --model on --dataset; --task names this file
+    add_device_time(task.model, float(os.environ.get(DEVICE_MS, "1.0")))
+    return task
