@@ -10,7 +10,7 @@ PIP_CONSTRAINT_FLAGS = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: install demo test test-fast stress fuzz lint bench clean
+.PHONY: install demo test test-fast stress fuzz lint bench scale clean
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ lint: install
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy src
 	$(BIN)/pytest -q -p no:cacheprovider tests/unit/test_layers.py
+
+# Every mode at 1-32 processes on sleeping devices, with failures at 8, 16 and 32: where the
+# time goes against world size (about 25 minutes on 2 cores; runs/scale/).
+scale: install
+	$(BIN)/python benchmarks/scale.py
 
 bench: install
 	$(BIN)/python benchmarks/ddp_overhead.py

@@ -111,13 +111,40 @@ def read_records(out: Path) -> list[dict[str, Any]]:
 
 
 def exactly_once(out: Path, num_samples: int) -> bool:
-    """Every sample of every epoch trained once (applied steps; a ps push not applied
-    trained nothing)."""
+    """Every sample of every epoch trained once: the steps that were kept (a ps push not
+    applied trained nothing; in the restart mode, an attempt's steps after the checkpoint
+    the next attempt resumed from were redone, and count once, in the later attempt)."""
+    summary = json.loads((out / "summary.json").read_text())
+    resumed_at = {r["attempt"]: r["step"] for r in summary.get("recoveries", [])
+                  if r.get("kind") in ("restart", "resume") and "attempt" in r}  # fmt: skip
     seen: dict[int, list[int]] = defaultdict(list)
     for r in read_records(out):
-        if r.get("committed", True) and r["samples"]:
+        if not r.get("committed", True) or not r["samples"]:
+            continue
+        later = resumed_at.get(r.get("attempt", 0) + 1)
+        if later is None or r["step"] <= later:
             seen[r["epoch"]] += r["sample_ids"]
     return bool(seen) and all(sorted(ids) == list(range(num_samples)) for ids in seen.values())
+
+
+def fault_runs(w: int) -> dict[str, Overrides]:
+    """Item 3 of the scale issue: the restart mode with 3 of W workers killed at different
+    steps; in place with 4 replicas killed; ps with a server and 3 workers killed."""
+    spread = [max(1, w // 4), max(1, w // 2), w - 1]  # three ranks across the world
+    kills = ",".join(f"kill:rank={r}:step={s}" for r, s in zip(spread, (6, 14, 22), strict=True))
+    inplace = ",".join(f"kill:rank={r}:step={6 + 4 * i}"
+                       for i, r in enumerate(range(1, w, max(1, w // 4))) if i < 4)  # fmt: skip
+    servers = max(1, w // 8)
+    ps_kills = ",".join([f"kill:rank={w - 1}:step=10"] +
+                        [f"kill:rank={r}:step={8 + 4 * i}" for i, r in enumerate(spread[:3])
+                         if r < w - servers])  # fmt: skip
+    return {
+        "restart": {"max_restarts": 3, "checkpoint_every": 5, "inject": kills},
+        "inplace": {"recovery": "inplace", "checkpoint_every": 0, "max_restarts": 1,
+                    "inject": inplace},
+        "ps": {**(ps(w) or {}), "max_restarts": 1, "checkpoint_every": 5, "inject": ps_kills,
+               "consistency": "asp"},
+    }  # fmt: skip
 
 
 def steady(out: Path) -> dict[str, float]:
@@ -204,6 +231,8 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2,4,8,16,32")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--device-ms", type=float, default=2.0)
+    parser.add_argument("--fault-worlds", default="8,16,32",
+                        help="world sizes of the runs with failures ('' for none)")  # fmt: skip
     parser.add_argument("--out", default=str(REPO / "runs" / "scale"))
     args = parser.parse_args()
     root = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
@@ -249,6 +278,34 @@ def main() -> None:
                           for c, k in ks.items() if k is not None)  # fmt: skip
         if shown:
             print(f"  {mode}: {shown}")
+    if args.fault_worlds:
+        print("\nfailures (each run: where it recovered, and every sample once per epoch):")
+        for w in [int(x) for x in args.fault_worlds.split(",")]:
+            for name, overrides in fault_runs(w).items():
+                out = root / f"faults-{name}-w{w}"
+                summary = launch(out, w, overrides, args.device_ms)
+                ok = "error" not in summary
+                FLOORS.check(f"{name} with failures at W={w} completes", ok)
+                if not ok:
+                    print(f"  {name:>8} W={w:<3} FAILED: {summary['error']}", flush=True)
+                    continue
+                once = exactly_once(out, min(DIGITS, 25 * 2 * w))
+                FLOORS.check(f"{name} with failures at W={w}: every sample once", once)
+                recs = summary["recoveries"]
+                detected = [r.get("detected_s") for r in recs if r.get("detected_s") is not None]
+                resumed = [r.get("resumed_s") for r in recs if r.get("resumed_s") is not None]
+                print(f"  {name:>8} W={w:<3} {len(recs)} recoveries; detected in "
+                      f"{max(detected, default=math.nan):.1f} s at most, training again "
+                      f"{max(resumed, default=math.nan):.1f} s later at most; goodput "
+                      f"{summary.get('goodput') or 0:.0%}; once per epoch: "
+                      f"{'yes' if once else 'NO'}", flush=True)  # fmt: skip
+    ddp_runs = [
+        root / f"ddp-w{w}" for w in worlds if (root / f"ddp-w{w}" / "summary.json").exists()
+    ]
+    if len(ddp_runs) > 1:
+        from scaletrain.analysis.report import write_report
+
+        print(f"report of the ddp runs: {write_report(ddp_runs, Path(args.out) / 'report.html')}")
     if 32 in worlds and "ddp" in args.modes:
         diff = equivalence(root, args.device_ms)
         print(

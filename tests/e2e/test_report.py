@@ -50,11 +50,12 @@ def test_report_of_two_world_sizes_and_a_failure(report_page):
     page = report_page.read_text()
     for title in ("Loss", "Test accuracy during training", "Learning rate",
                   "Samples per second per rank", "Step time breakdown", "The job&#x27;s time",
-                  "Scaling", "Recoveries of two"):  # fmt: skip
+                  "Scaling", "Where the time goes, by world size",
+                  "Recoveries of two"):  # fmt: skip
         assert f"<h2>{title}</h2>" in page
     assert "Staleness" not in page  # no parameter-server run here
     images = embedded_images(page)
-    assert len(images) == 8 and all(i.width > 300 and i.height > 200 for i in images)
+    assert len(images) == 9 and all(i.width > 300 and i.height > 200 for i in images)
     assert "one" in page and "two" in page
 
 
@@ -80,7 +81,7 @@ def test_report_in_headless_chromium(report_page, tmp_path):
         images = driver.execute_script(
             "return Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])"
         )
-        assert len(images) == 8
+        assert len(images) == 9
         for alt, complete, width in images:
             assert complete and width > 300, alt
         assert driver.title == "scaletrain report"

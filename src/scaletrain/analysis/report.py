@@ -235,6 +235,53 @@ def plot_scaling(runs: list[Run]) -> str | None:
     return png(fig)
 
 
+STARTUP = ("launch_s", "imported_s", "group_s", "model_s", "first_step_s")
+
+
+def plot_where_time_goes(runs: list[Run]) -> str | None:
+    """Against world size (runs of two or more sizes): start-up by phase and the finish, and
+    a step split into compute, communication and the rest (the loop's own share)."""
+    sized = sorted((r for r in runs if r.summary.get("startup")),
+                   key=lambda r: r.summary["world_size"])  # fmt: skip
+    if len({r.summary["world_size"] for r in sized}) < 2:
+        return None
+    fig, (start, step) = plt.subplots(1, 2, figsize=(12, 4))
+    labels = [f"{r.summary['world_size']}\n{r.summary['strategy']}" for r in sized]
+    x = list(range(len(sized)))
+    bottom = [0.0] * len(sized)
+    for phase in (*STARTUP, "finish_s"):
+        values = [
+            (r.summary.get("time_lost", {}) if phase == "finish_s" else r.summary["startup"]).get(
+                phase, 0.0
+            )
+            or 0.0
+            for r in sized
+        ]
+        start.bar(x, values, bottom=bottom, label=phase.removesuffix("_s").replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    start.set(xticks=x, xticklabels=labels, ylabel="seconds",
+              title="launch to first step, by phase; and last step to summary")  # fmt: skip
+    start.legend(fontsize=7)
+    parts: dict[str, list[float]] = {"compute": [], "communication (blocked)": [], "rest": []}
+    for r in sized:
+        s = r.summary
+        steps = max(s.get("steps") or 1, 1)
+        t = s["time_breakdown"]
+        compute, blocked = t["compute_s"] / steps, (t["wait_s"] + t["data_s"]) / steps
+        whole = (s.get("train_wall_s") or 0.0) / steps
+        parts["compute"].append(1e3 * compute)
+        parts["communication (blocked)"].append(1e3 * blocked)
+        parts["rest"].append(1e3 * max(whole - compute - blocked, 0.0))
+    bottom = [0.0] * len(sized)
+    for name, values in parts.items():
+        step.bar(x, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    step.set(xticks=x, xticklabels=labels, ylabel="ms per step",
+             title="a step: compute, blocked on communication, the rest")  # fmt: skip
+    step.legend(fontsize=7)
+    return png(fig)
+
+
 def plot_shares(runs: list[Run]) -> str | None:
     """--balance speed: each rank's share of a step's samples, by step."""
     balanced = [run for run in runs if any(r.get("share") is not None for r in run.records)]
@@ -346,6 +393,7 @@ def build_report(run_dirs: list[Path]) -> str:
     image("Step time breakdown", plot_breakdown(runs))
     image("The job's time", plot_job_time(runs))
     image("Scaling", plot_scaling(runs))
+    image("Where the time goes, by world size", plot_where_time_goes(runs))
     image("Balance", plot_shares(runs))
     image("Staleness", plot_staleness(runs))
     for run in runs:
