@@ -118,14 +118,15 @@ def in_thread(fn, *args):
 
 def start_server(
     tmp_path, consistency: str = "bsp", staleness: int = -1, num_train: int = 8, *,
-    index: int = 0, num_servers: int = 1, attempt: int = 0,
+    index: int = 0, num_servers: int = 1, attempt: int = 0, barrier_timeout_s: float = 1.0,
 ) -> tuple[TCPStore, ShardServer]:  # fmt: skip
     """Server ``index`` of ``num_servers``, of 2 workers over 2 parameters (both 1.0, SGD
     lr 1), in a thread."""
     (tmp_path / "logs").mkdir()
     cfg = from_dict({
         "train": {"strategy": "ps", "batch_size": BATCH, "epochs": 1},
-        "ps": {"consistency": consistency, "barrier_timeout_s": 1.0, "staleness": staleness,
+        "ps": {"consistency": consistency, "barrier_timeout_s": barrier_timeout_s,
+               "staleness": staleness,
                "num_servers": num_servers},
         "launch": {"timeout_s": 30.0},
     })  # fmt: skip
@@ -298,3 +299,24 @@ def test_a_worker_the_launcher_says_died_is_left_but_not_its_restarted_process(t
     [lost] = [e for e in events(tmp_path) if e["event"] == "worker_lost"]
     assert lost["worker"] == 1 and lost["how"] == "died" and lost["requeued"] == BATCH
     store.set("ps/finish", "1")
+
+
+def test_a_bsp_step_waits_for_workers_that_have_not_joined_this_server_yet(tmp_path):
+    """Server 1 of 2 (it deals nothing): worker 0 joins it and pushes step 1 before worker 1
+    has joined it. The step is held for worker 1 (every worker of the job is expected until
+    each said hello, or the start's grace ran out), then applied once with both gradients.
+    It was released with worker 0's alone, and worker 1's push of step 1 then waited for
+    worker 0 there until the barrier timeout (28 workers, 4 servers: joins take seconds)."""
+    store, server = start_server(tmp_path, index=1, num_servers=2, barrier_timeout_s=60.0)
+    early = Worker(store.port, 0, server=1, numel=1)  # the slice of server 1: one parameter
+    early.hello()
+    pushing, first = in_thread(early.push, 1, [1.0], BATCH)
+    # Held: a release clears the arrivals in the same critical section that would apply it.
+    wait_for(server, lambda s: 0 in s.arrived and s.released_step == 0)
+    late = Worker(store.port, 1, server=1, numel=1)
+    late.hello()
+    head, params, _ = late.push(1, [3.0], BATCH)
+    pushing.join(30)
+    assert int(head[tp.COMMITTED]) and int(first["v"][0][tp.COMMITTED])
+    # SGD lr 1 from 1.0 by the mean of 1.0 and 3.0 (2 samples each): 1.0 - 2.0.
+    assert params.tolist() == [-1.0] and first["v"][1].tolist() == [-1.0]

@@ -128,7 +128,7 @@ class ShardServer:
             )
         self.leases: dict[int, Lease | None] = {}  # server 0: each worker's next lease (None: end)
         self.started = False  # server 0, bsp: the first step is dealt
-        self.start_forced = False  # server 0, bsp: stop waiting for the first hellos
+        self.start_forced = False  # bsp: stop waiting for the first hellos (_start_timer)
         self.hellos: set[int] = set()
         self.released_lr_factor = 1.0  # bsp: the factor of --lr of the last step applied
         self.stop = threading.Event()
@@ -197,7 +197,7 @@ class ShardServer:
         self.store.set(f"ps/server{self.index}/incarnation", str(self.attempt))
         log.info("server %d serving %d parameters (attempt %d)",
                  self.index, self.param.numel(), self.attempt)  # fmt: skip
-        if self.coordinator is not None and self.mode == "bsp":
+        if self.mode == "bsp":
             threading.Thread(target=self._start_timer, daemon=True).start()
         if self.mode == "bsp":
             threading.Thread(target=self._barrier_watch, daemon=True).start()
@@ -336,13 +336,16 @@ class ShardServer:
 
     # -- data (server 0) -----------------------------------------------------------------
     def _start_timer(self) -> None:
-        """bsp: deal the first step without the workers that did not say hello in time (a
-        restarted server 0 waits briefly: the workers that are alive reconnect at once)."""
+        """bsp: go on without the workers that did not say hello in time: server 0 deals the
+        first step, every server releases its barrier (a restarted server waits briefly: the
+        workers that are alive reconnect at once)."""
         grace = self.cfg.launch.timeout_s if self.attempt == 0 else 2.0
         if not self.stop.wait(grace):
             with self.cond:
                 self.start_forced = True
-                self._maybe_start()
+                if self.coordinator is not None:
+                    self._maybe_start()
+                self._maybe_release()
 
     def _maybe_start(self) -> None:
         """bsp, server 0, lock held: deal a step when none is in progress: the first step once
@@ -460,13 +463,22 @@ class ShardServer:
     def _expected(self) -> set[int]:
         return {w for w in self.live if self.join_step.get(w, 0) <= self.barrier_step}
 
+    def _awaiting_joins(self) -> bool:
+        """bsp: whether some worker of the job has not joined this server yet, while it may
+        still (the grace of ``_start_timer``). Every server, not only server 0, must wait
+        for them: a worker that joined every server early and pushed its first step before
+        the others had joined server k had that step released on server k alone, and the
+        others' pushes of the same step then waited for it there until the barrier timeout
+        (seen at 28 workers and 4 servers, where joins take seconds)."""
+        return not self.start_forced and len(self.hellos) < self.num_workers
+
     def _maybe_release(self, timed_out: bool = False) -> None:
         """bsp, lock held: apply the open step once every expected worker has pushed (or,
         after the barrier timeout, without those that have not)."""
         if self.mode != "bsp" or not self.arrived:
             return
         missing = self._expected() - self.arrived
-        if missing and not timed_out:
+        if (missing or self._awaiting_joins()) and not timed_out:
             return
         for worker in missing:
             log.warning("dropping worker %d from step %d: silent for %.1f s", worker,
