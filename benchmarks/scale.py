@@ -127,19 +127,21 @@ def exactly_once(out: Path, num_samples: int) -> bool:
     return bool(seen) and all(sorted(ids) == list(range(num_samples)) for ids in seen.values())
 
 
-def fault_runs(w: int) -> dict[str, Overrides]:
-    """Item 3 of the scale issue: the restart mode with 3 of W workers killed at different
-    steps; in place with 4 replicas killed; ps with a server and 3 workers killed."""
-    spread = [max(1, w // 4), max(1, w // 2), w - 1]  # three ranks across the world
-    kills = ",".join(f"kill:rank={r}:step={s}" for r, s in zip(spread, (6, 14, 22), strict=True))
+def fault_runs(w: int, kills: int | None = None) -> dict[str, Overrides]:
+    """The restart mode with 3 of W workers killed at different steps; in place with 4
+    replicas killed; ps with a server and 3 workers killed (``kills``: that many of each
+    instead, the server first)."""
+    spread = [max(1, w // 4), max(1, w // 2), w - 1][: 3 if kills is None else kills]
+    kills_at = zip(spread, (6, 14, 22), strict=False)
+    restart = ",".join(f"kill:rank={r}:step={s}" for r, s in kills_at)
     inplace = ",".join(f"kill:rank={r}:step={6 + 4 * i}"
-                       for i, r in enumerate(range(1, w, max(1, w // 4))) if i < 4)  # fmt: skip
+                       for i, r in enumerate(range(1, w, max(1, w // 4)))
+                       if i < (4 if kills is None else kills))  # fmt: skip
     servers = max(1, w // 8)
-    ps_kills = ",".join([f"kill:rank={w - 1}:step=10"] +
-                        [f"kill:rank={r}:step={8 + 4 * i}" for i, r in enumerate(spread[:3])
-                         if r < w - servers])  # fmt: skip
+    workers = [f"kill:rank={r}:step={8 + 4 * i}" for i, r in enumerate(spread) if r < w - servers]
+    ps_kills = ",".join([f"kill:rank={w - 1}:step=10", *workers][: 4 if kills is None else kills])
     return {
-        "restart": {"max_restarts": 3, "checkpoint_every": 5, "inject": kills},
+        "restart": {"max_restarts": 3, "checkpoint_every": 5, "inject": restart},
         "inplace": {"recovery": "inplace", "checkpoint_every": 0, "max_restarts": 1,
                     "inject": inplace},
         "ps": {**(ps(w) or {}), "max_restarts": 1, "checkpoint_every": 5, "inject": ps_kills,
@@ -231,8 +233,14 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2,4,8,16,32")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--device-ms", type=float, default=2.0)
-    parser.add_argument("--fault-worlds", default="8,16,32",
-                        help="world sizes of the runs with failures ('' for none)")  # fmt: skip
+    parser.add_argument(
+        "--fault-worlds",
+        default="8,16,32",
+        help="world sizes of the runs with failures ('' for none)",
+    )
+    parser.add_argument("--fault-modes", default="restart,inplace,ps")
+    parser.add_argument("--kills", type=int, default=None,
+                        help="processes killed per run with failures (3, 4, 4)")  # fmt: skip
     parser.add_argument("--out", default=str(REPO / "runs" / "scale"))
     args = parser.parse_args()
     root = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
@@ -281,7 +289,9 @@ def main() -> None:
     if args.fault_worlds:
         print("\nfailures (each run: where it recovered, and every sample once per epoch):")
         for w in [int(x) for x in args.fault_worlds.split(",")]:
-            for name, overrides in fault_runs(w).items():
+            for name, overrides in fault_runs(w, args.kills).items():
+                if name not in args.fault_modes.split(","):
+                    continue
                 out = root / f"faults-{name}-w{w}"
                 summary = launch(out, w, overrides, args.device_ms)
                 ok = "error" not in summary

@@ -75,7 +75,8 @@ NOT_FAULT_TESTS = [
     "tests/e2e/test_netns.py::test_rates_parse_and_bad_ones_are_refused",
 ]
 # pytest -rA's short summary: "PASSED tests/...::name", "FAILED tests/...::name - reason".
-RESULT = re.compile(r"^(PASSED|FAILED|ERROR) (tests/\S+::\S+)", re.M)
+# A test id may hold spaces (the fuzzer's draws are their command lines).
+RESULT = re.compile(r"^(PASSED|FAILED|ERROR) (tests/\S+::.+?)(?: - .*)?$", re.M)
 # Tracked files a round does not test: the documentation, this runner and its own unit test
 # (which no round runs). Two commits that differ only in these run the same code.
 NOT_UNDER_TEST = ("README.md", "docs/", "scripts/stress.py", "tests/unit/test_stress_ledger.py")
