@@ -60,6 +60,7 @@ def main(argv: list[str]) -> None:
     )
     # Imported here, under @record: an import error (a broken install, a user task's module)
     # then reaches the error file and the launcher's report like any other failure.
+    from scaletrain.fault.inject import record_fired_in
     from scaletrain.fault.jobs import current_job_run
     from scaletrain.metrics.phases import mark
     from scaletrain.task import build_task
@@ -67,6 +68,7 @@ def main(argv: list[str]) -> None:
 
     mark("process", STARTED)
     mark("imported")
+    record_fired_in(run_dir / "logs" / "faults")
 
     # Which job run this is, as node 0 recorded it (another node's launcher may have
     # started before it wrote the line): every node's workers label their records alike.

@@ -45,16 +45,26 @@ def clean_hash(tmp_path_factory):
 def test_killed_worker_restarts_from_checkpoint_with_identical_weights(
     tmp_path, clean_hash, saving
 ):
+    """Synchronous saves: rank 1 dies before step 8, and rank 0 before step 14 of the restarted
+    world (a fault fires once per job, the first time its rank reaches its step, so a later
+    one still fires after a restart): two restarts, the clean run's weights."""
     killed = tmp_path / "killed"
     async_flag = ["--checkpoint-async"] if saving == "async" else []
-    result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "1",
-                     *async_flag, "--inject", "kill:rank=1:step=8",
+    second = ",kill:rank=0:step=14" if saving == "sync" else ""
+    result = run_cli("run", *COMMON, "--checkpoint-every", "3", "--max-restarts", "2",
+                     *async_flag, "--inject", f"kill:rank=1:step=8{second}",
                      "--out", str(killed))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = summary_of(killed)
     assert summary["params_sha256"] == clean_hash
     assert summary["steps"] == 20
-    [recovery] = summary["recoveries"]
+    recovery, *later = summary["recoveries"]
+    if saving == "sync":
+        [again] = later
+        assert again["attempt"] == 2 and again["rank"] == 0 and again["failed_step"] == 14
+        assert again["step"] == 12
+    else:
+        assert later == []
     assert recovery["kind"] == "restart" and recovery["attempt"] == 1
     assert recovery["cause"] == "death" and recovery["rank"] == 1
     assert recovery["failed_step"] == 8

@@ -368,3 +368,21 @@ def test_pruning_keeps_per_rank_files_newer_than_the_index(tmp_path):
     prune_rng_files(tmp_path)
     left = sorted(p.name for p in (tmp_path / "rng").iterdir())
     assert left == [f"step-{s:08d}-rank1.pt" for s in (2, 3, 4, 5)]
+
+
+def test_a_one_shot_fault_fires_once_per_job(tmp_path):
+    """With the run's directory named, the first time a rank reaches the step (whatever the
+    attempt: a later kill of the spec fires after a restart); without, the first attempt."""
+    from scaletrain.fault import inject
+
+    try:
+        inject.record_fired_in(tmp_path / "faults")
+        assert inject.first_time("kill", 1, 14, attempt=1)
+        assert not inject.first_time("kill", 1, 14, attempt=1)  # the restarted group goes on
+        assert not inject.first_time("kill", 1, 14, attempt=2)
+        assert inject.first_time("kill", 2, 14, attempt=2)  # another rank's, another marker
+        assert (tmp_path / "faults" / "kill-rank1-step14").exists()
+    finally:
+        inject._FIRED_IN.clear()
+    assert inject.first_time("kill", 1, 14, attempt=0)
+    assert not inject.first_time("kill", 1, 14, attempt=1)

@@ -16,9 +16,13 @@ strategies:
 
 Under --strategy ps a worker's step S is its own S-th step, and a server rank's step S is
 its S-th update (so ``kill`` can take a server down too).
-One-shot faults (kill, killnode, hang, corrupt-checkpoint) fire in the first attempt only
-(TORCHELASTIC_RESTART_COUNT 0), so a restarted worker group does not fail again at the same
-place. Parsing is pure (no torch), so config validation can use it.
+The process faults (kill, killnode, hang) fire once per job: the first time their rank
+reaches their step. Every worker process names its run's directory (``record_fired_in``), and
+a marker file there says a fault fired, so a restarted worker group goes past that place,
+and a later fault of the spec still fires in a later attempt (three kills at steps 6, 14 and
+22 are three failures, whatever the restarts between them). Without a directory they fire in
+a process's first attempt only (TORCHELASTIC_RESTART_COUNT 0), as corrupt-checkpoint always
+does. Parsing is pure (no torch), so config validation can use it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,28 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+_FIRED_IN: list[Path] = []  # the run's directory of markers, once a worker names it
+
+
+def record_fired_in(directory: Path) -> None:
+    """This process's one-shot faults fire once per job, recorded under ``directory``."""
+    _FIRED_IN[:] = [directory]
+
+
+def first_time(kind: str, rank: int, step: int, attempt: int) -> bool:
+    """Whether a one-shot fault of ``kind`` at (``rank``, ``step``) fires now, and if so,
+    record that it did (before it does: a kill leaves no time after)."""
+    if not _FIRED_IN:
+        return attempt == 0
+    marker = _FIRED_IN[0] / f"{kind}-rank{rank}-step{step}"
+    if marker.exists():
+        return False
+    from scaletrain.io import atomic_write_bytes
+
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(marker, f"{time.time()}\n".encode())
+    return True
 
 
 class Fault:
@@ -61,7 +87,7 @@ class Kill(Fault):
     step: int
 
     def before_step(self, step: int, rank: int, attempt: int) -> None:
-        if attempt == 0 and rank == self.rank and step == self.step:
+        if rank == self.rank and step == self.step and first_time("kill", rank, step, attempt):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def validate(self) -> str | None:
@@ -73,7 +99,7 @@ class KillNode(Kill):
     """Its other workers follow their agent (runtime.die_with_parent)."""
 
     def before_step(self, step: int, rank: int, attempt: int) -> None:
-        if attempt == 0 and rank == self.rank and step == self.step:
+        if rank == self.rank and step == self.step and first_time("killnode", rank, step, attempt):
             os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -81,7 +107,7 @@ class KillNode(Kill):
 @dataclass(frozen=True)
 class Hang(Kill):
     def before_step(self, step: int, rank: int, attempt: int) -> None:
-        if attempt == 0 and rank == self.rank and step == self.step:
+        if rank == self.rank and step == self.step and first_time("hang", rank, step, attempt):
             while True:  # the watchdog thread keeps running: it is what must end this
                 time.sleep(3600)
 
