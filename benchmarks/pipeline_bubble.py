@@ -35,7 +35,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
 from floors import Floors  # noqa: E402
+from sleeping_device import DeviceTime  # noqa: E402
 from torch import nn  # noqa: E402
 
 import scaletrain  # noqa: E402
@@ -58,21 +58,6 @@ BLOCKS = 8
 BATCH = 64
 # Per sample and block, forward; the workers read it from the environment (--device-ms).
 DEVICE_MS_PER_SAMPLE = float(os.environ.get("BENCH_DEVICE_MS", "5"))
-
-
-class DeviceTime(torch.autograd.Function):
-    """Identity whose forward takes ``seconds`` and backward twice that, without using a core."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        time.sleep(seconds)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(2 * ctx.seconds)
-        return grad, None
 
 
 class DeviceBlock(nn.Module):

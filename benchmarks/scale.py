@@ -178,6 +178,22 @@ def steady(out: Path) -> dict[str, float]:
     }
 
 
+def run_checked(
+    out: Path, what: str, w: int, overrides: Overrides, device_ms: float
+) -> tuple[dict[str, Any], bool] | None:
+    """One run, its floors checked (it completes; every sample once per epoch): (summary,
+    exactly once), or None when it failed."""
+    summary = launch(out, w, overrides, device_ms)
+    ok = "error" not in summary
+    FLOORS.check(f"{what} at W={w} completes", ok)
+    if not ok:
+        print(f"{what:>9} W={w:<3} FAILED: {summary['error']}", flush=True)
+        return None
+    once = exactly_once(out, min(DIGITS, STEPS * 2 * w))
+    FLOORS.check(f"{what} at W={w}: every sample once per epoch", once)
+    return summary, once
+
+
 def row_of(mode: str, w: int, summary: dict[str, Any], out: Path) -> dict[str, Any]:
     startup = summary.get("startup", {})
     lost = summary.get("time_lost", {})
@@ -260,14 +276,10 @@ def main() -> None:
             if overrides is None:
                 continue
             out = root / f"{mode}-w{w}"
-            summary = launch(out, w, overrides, args.device_ms)
-            ok = "error" not in summary
-            FLOORS.check(f"{mode} at W={w} completes", ok)
-            if not ok:
-                print(f"{mode:>9} W={w:<3} FAILED: {summary['error']}", flush=True)
+            checked = run_checked(out, mode, w, overrides, args.device_ms)
+            if checked is None:
                 continue
-            once = exactly_once(out, min(DIGITS, STEPS * 2 * w))
-            FLOORS.check(f"{mode} at W={w}: every sample once per epoch", once)
+            summary, once = checked
             row = row_of(mode, w, summary, out)
             rows.append(row)
             print(f"{mode:>9} W={w:<3} start {row['launch_to_first_step_s']:.1f} s, step "
@@ -299,14 +311,10 @@ def main() -> None:
                 if name not in args.fault_modes.split(","):
                     continue
                 out = root / f"faults-{name}-w{w}"
-                summary = launch(out, w, overrides, args.device_ms)
-                ok = "error" not in summary
-                FLOORS.check(f"{name} with failures at W={w} completes", ok)
-                if not ok:
-                    print(f"  {name:>8} W={w:<3} FAILED: {summary['error']}", flush=True)
+                checked = run_checked(out, f"{name} with failures", w, overrides, args.device_ms)
+                if checked is None:
                     continue
-                once = exactly_once(out, min(DIGITS, STEPS * 2 * w))
-                FLOORS.check(f"{name} with failures at W={w}: every sample once", once)
+                summary, once = checked
                 recs = summary["recoveries"]
                 detected = [r.get("detected_s") for r in recs if r.get("detected_s") is not None]
                 resumed = [r.get("resumed_s") for r in recs if r.get("resumed_s") is not None]
