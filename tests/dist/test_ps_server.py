@@ -253,6 +253,30 @@ def test_ssp_holds_a_worker_that_is_too_far_ahead_until_the_slowest_catches_up(t
     store.set("ps/finish", "1")
 
 
+def test_ssp_counts_a_worker_that_has_not_joined_yet_as_the_slowest(tmp_path):
+    """At the start a worker that has not joined yet is at 0 pushes: the one that joined
+    first is held at the bound for it, and it joins at clock 0, not level with the others.
+    Both were missed: the first joiners ran ahead of --staleness before the last had joined
+    (a lead of 3 under --staleness 1, in test_param_server's end-to-end bound)."""
+    store, server = start_server(tmp_path, "ssp", staleness=1, num_train=64)
+    a = Worker(store.port, 0)
+    a.hello()
+    a.push(1, [1.0, 1.0], BATCH)  # 1 ahead of the worker not joined yet: within the bound
+    held, second = in_thread(a.push, 2, [1.0, 1.0], BATCH)  # 2 ahead: held
+    wait_for(server, lambda s: s.clocks.get(0) == 2)
+    b = Worker(store.port, 1, clock=-1)  # a new process: no clock until server 0 gives one
+    b.hello()
+    with server.cond:
+        assert server.clocks[1] == 0  # its first join, at the start: no push yet
+    assert held.is_alive()  # still 2 ahead of b
+    b.clock = 0
+    b.push(1, [1.0, 1.0], BATCH)
+    held.join(30)
+    head, _, _ = second["v"]
+    assert int(head[tp.HELD_US]) > 0
+    store.set("ps/finish", "1")
+
+
 def test_a_restarted_server_holds_rejoining_workers_by_their_own_clocks(tmp_path):
     """Every server holds a worker by the same clock, the one the worker carries. A
     restarted server 1 that put rejoining workers level with each other (as it once did)
@@ -320,3 +344,39 @@ def test_a_bsp_step_waits_for_workers_that_have_not_joined_this_server_yet(tmp_p
     assert int(head[tp.COMMITTED]) and int(first["v"][0][tp.COMMITTED])
     # SGD lr 1 from 1.0 by the mean of 1.0 and 3.0 (2 samples each): 1.0 - 2.0.
     assert params.tolist() == [-1.0] and first["v"][1].tolist() == [-1.0]
+
+
+def test_a_worker_waits_for_a_server_that_starts_later_than_the_timeout(tmp_path, monkeypatch):
+    """A worker reaches its first join while server 0 is still starting (imports, the task:
+    on a loaded host the servers can come up seconds after the workers). That first
+    announcement is waited for without a clock: the worker gave up after --timeout-s, and
+    a three-host job on a busy CI machine failed. A restarted server must still come back
+    within --timeout-s."""
+    from scaletrain import env
+    from scaletrain.runtime import DistContext
+    from scaletrain.strategies.param_server.worker import PSWorkerStrategy, ServerLost
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv(env.PS_STORE, f"127.0.0.1:{store.port}")
+    monkeypatch.setenv(env.JOIN_TOKEN, TOKEN)
+    timeout_s = 0.5
+    cfg = from_dict({"train": {"strategy": "ps"}, "ps": {"num_servers": 1},
+                     "launch": {"timeout_s": timeout_s}})  # fmt: skip
+    ctx = DistContext(rank=0, world_size=2, local_rank=0, local_world_size=2, restart_count=0,
+                      attempt=0, device=torch.device("cpu"), backend="gloo", mode="ps")  # fmt: skip
+    worker = PSWorkerStrategy(ctx, cfg)
+    worker.setup(nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=1.0), nn.functional.mse_loss)
+    waiting, got = in_thread(worker._await_incarnation, 0)
+    started = time.monotonic()
+    while time.monotonic() - started < 4 * timeout_s:  # the server is slower than the timeout
+        assert waiting.is_alive(), got
+        time.sleep(0.05)
+    store.set("ps/server0/incarnation", "0")
+    waiting.join(30)
+    assert got["v"] == 0
+    # Incarnation 0 failed: the next must come within --timeout-s.
+    worker.incarnation[0] = 0
+    with pytest.raises(ServerLost, match="did not come back within --timeout-s"):
+        worker._await_incarnation(0)
+    store.set("ps/server0/incarnation", "1")
+    assert worker._await_incarnation(0) == 1

@@ -11,7 +11,9 @@ reply carries are copied under it and sent after it is released.
 - asp: a push is applied on arrival; the reply carries the latest parameters.
 - ssp(s): as asp, but the reply waits until its worker is at most s steps ahead of the
   slowest live worker (consistency.may_proceed), by the clocks the workers carry in their
-  messages, so every server holds a worker by the same clock (consistency.join_clock).
+  messages, so every server holds a worker by the same clock (consistency.join_clock). At
+  the start a worker that has not joined yet counts as the slowest, at 0 pushes, until every
+  worker has joined or --timeout-s has passed.
 - bsp: pushes of one global step are summed weighted by samples; when every live worker of
   that step has pushed (or was dropped: its link broke, or it stayed silent for
   --barrier-timeout-s after the step's first push) the weighted mean is applied once and
@@ -197,7 +199,7 @@ class ShardServer:
         self.store.set(f"ps/server{self.index}/incarnation", str(self.attempt))
         log.info("server %d serving %d parameters (attempt %d)",
                  self.index, self.param.numel(), self.attempt)  # fmt: skip
-        if self.mode == "bsp":
+        if self.mode in ("bsp", "ssp"):
             threading.Thread(target=self._start_timer, daemon=True).start()
         if self.mode == "bsp":
             threading.Thread(target=self._barrier_watch, daemon=True).start()
@@ -278,6 +280,8 @@ class ShardServer:
             if worker in self.live:  # a rejoin after being dropped: its old lease is void
                 self._drop(worker)
             others = [self.clocks[w] for w in self.live]
+            if self.bound is not None and worker not in self.hellos and self._awaiting_joins():
+                others.append(0)  # ssp's start: a worker's first join, at no push yet
             self.clocks[worker] = rules.join_clock(int(head[tp.CLOCK]), others)
             self.live.add(worker)
             self.sessions[worker] = int(head[tp.ATTEMPT])
@@ -336,9 +340,10 @@ class ShardServer:
 
     # -- data (server 0) -----------------------------------------------------------------
     def _start_timer(self) -> None:
-        """bsp: go on without the workers that did not say hello in time: server 0 deals the
-        first step, every server releases its barrier (a restarted server waits briefly: the
-        workers that are alive reconnect at once)."""
+        """bsp and ssp: go on without the workers that did not say hello in time: under bsp
+        server 0 deals the first step and every server releases its barrier, under ssp the
+        workers are no longer held for them (a restarted server waits briefly: the workers
+        that are alive reconnect at once)."""
         grace = self.cfg.launch.timeout_s if self.attempt == 0 else 2.0
         if not self.stop.wait(grace):
             with self.cond:
@@ -346,6 +351,7 @@ class ShardServer:
                 if self.coordinator is not None:
                     self._maybe_start()
                 self._maybe_release()
+                self.cond.notify_all()
 
     def _maybe_start(self) -> None:
         """bsp, server 0, lock held: deal a step when none is in progress: the first step once
@@ -406,7 +412,7 @@ class ShardServer:
             if self.bound is not None:  # ssp: hold the reply while too far ahead
                 self.cond.wait_for(
                     lambda: worker not in self.live or self.stop.is_set() or rules.may_proceed(
-                        self.clocks[worker], (self.clocks[w] for w in self.live), self.bound)
+                        self.clocks[worker], self._ssp_clocks(), self.bound)
                 )  # fmt: skip
             if self.coordinator is not None:
                 self._deal(worker)
@@ -463,8 +469,19 @@ class ShardServer:
     def _expected(self) -> set[int]:
         return {w for w in self.live if self.join_step.get(w, 0) <= self.barrier_step}
 
+    def _ssp_clocks(self) -> list[int]:
+        """Lock held: the clocks ssp bounds a worker by: the live workers', and at the start
+        (until every worker of the job has joined, or the start's grace ran out) 0 for each
+        that has not joined yet. Without those zeros the workers that imported torch first
+        ran ahead of the bound before the last one had joined (a lead of 3 under
+        --staleness 1, once the joins were spread by 50 ms)."""
+        clocks = [self.clocks[w] for w in self.live]
+        if self._awaiting_joins():
+            clocks += [0] * (self.num_workers - len(self.hellos))
+        return clocks
+
     def _awaiting_joins(self) -> bool:
-        """bsp: whether some worker of the job has not joined this server yet, while it may
+        """bsp and ssp: whether some worker of the job has not joined this server yet, while it may
         still (the grace of ``_start_timer``). Every server, not only server 0, must wait
         for them: a worker that joined every server early and pushed its first step before
         the others had joined server k had that step released on server k alone, and the

@@ -162,15 +162,7 @@ class PSWorkerStrategy(Strategy):
     # -- connections ---------------------------------------------------------------------
     def _link(self, k: int) -> tp.Link:
         """A new link to server ``k``'s current incarnation (waiting for a restarted one)."""
-        key = f"ps/server{k}/incarnation"
-        self.store.wait([key])
-        deadline = time.monotonic() + self.cfg.launch.timeout_s
-        inc = int(self.store.get(key))
-        while inc == self.incarnation.get(k, -1):  # the one that failed: wait for the next
-            if time.monotonic() > deadline:
-                raise ServerLost(f"server {k} did not come back within --timeout-s")
-            time.sleep(0.1)
-            inc = int(self.store.get(key))
+        inc = self._await_incarnation(k)
         scope = f"ps/server{k}.{inc}"
         base = f"{scope}/joins"
         n = self.store.add(f"{base}/count", 1)
@@ -187,6 +179,24 @@ class PSWorkerStrategy(Strategy):
                        peer=(self.num_workers + k, inc))  # fmt: skip
         self.incarnation[k], self.links[k] = inc, link
         return link
+
+    def _await_incarnation(self, k: int) -> int:
+        """Server ``k``'s incarnation to join: its first, or the one after the incarnation
+        that failed. The first is waited for without a clock: the server is starting as this
+        worker did (imports, the task), and on a loaded host that can take longer than
+        --timeout-s; if it dies, the launcher restarts it or ends the job, and this worker
+        with it. A restarted one must come back within --timeout-s."""
+        key = f"ps/server{k}/incarnation"
+        failed = self.incarnation.get(k)
+        deadline = time.monotonic() + self.cfg.launch.timeout_s
+        while True:
+            if self.store.check([key]):
+                inc = int(self.store.get(key))
+                if inc != failed:
+                    return inc
+            if failed is not None and time.monotonic() > deadline:
+                raise ServerLost(f"server {k} did not come back within --timeout-s")
+            time.sleep(0.05)
 
     def _hello(self, k: int, step: int) -> torch.Tensor:
         """Join server ``k`` (again): returns its reply header, parameters loaded."""
