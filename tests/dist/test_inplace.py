@@ -90,6 +90,27 @@ def test_max_steps_ends_every_replica_at_that_step(tmp_path):
     for rank in (0, 1):
         assert [r["step"] for r in records if r["rank"] == rank] == list(range(1, 8))
     assert summary["replicas_agree"]
+    assert [r["rank"] for r in summary["per_rank"]] == [0, 1]  # both reported
+
+
+def test_a_replica_that_reached_the_end_finishes_after_a_peer_did(tmp_path):
+    """The replica that ends second has trained every step too: it finishes and reports its
+    totals. It was told "the other replicas finished the run before this one rejoined" (a
+    restarted replica's case) and left no final report, so the modes matrix's slowed rank
+    had no per-rank figures in about one run of four on a loaded machine."""
+    import types
+
+    import torch
+
+    from scaletrain.strategies.inplace import QuorumPlan
+
+    cfg = with_overrides(RunConfig(), {"recovery": "inplace", "max_steps": 5, "out": str(tmp_path)})
+    (tmp_path / "logs" / "final").mkdir(parents=True)
+    (tmp_path / "logs" / "final" / "rank0.json").write_text("{}")  # the peer's, written first
+    strategy = types.SimpleNamespace(cfg=cfg, ctx=types.SimpleNamespace(device=torch.device("cpu")),
+                                     run_dir=tmp_path)  # fmt: skip
+    plan = QuorumPlan(strategy, list(range(96)))
+    assert plan.next_step(types.SimpleNamespace(step=5)) is None
 
 
 def test_inplace_refuses_what_it_cannot_do():

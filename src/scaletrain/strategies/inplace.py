@@ -277,10 +277,10 @@ class QuorumPlan(SampledPlan):
     def next_step(self, progress: Any) -> StepPlan | None:
         """The quorum may heal this replica: the manager loads a peer's training state into
         the loop, ``progress`` included (in place), and into this plan's sampler."""
+        if self._max_steps_reached(progress) or self._data_done():
+            return None  # this replica's run is over too: it finishes (and reports) normally
         if self._run_ended():
             raise RunEnded("the other replicas finished the run before this one rejoined")
-        if self._max_steps_reached(progress) or self._data_done():
-            return None
         t0 = time.perf_counter()
         self.strategy.manager.start_quorum()  # heals first if this replica is behind
         quorum_s = time.perf_counter() - t0
