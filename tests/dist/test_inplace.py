@@ -93,6 +93,24 @@ def test_max_steps_ends_every_replica_at_that_step(tmp_path):
     assert [r["rank"] for r in summary["per_rank"]] == [0, 1]  # both reported
 
 
+def test_a_slow_replica_is_waited_for_not_healed_at_every_step(tmp_path):
+    """Three replicas, one much slower: every step's quorum waits for it (it is alive), so
+    all three contribute to every step. With a 100 ms join timeout the lighthouse formed
+    each quorum with the first majority (2 of 3, as 17 of 32 at scale) and the slow one
+    healed from a peer at every step, its gradients never counted."""
+    out = tmp_path / "run"
+    result = run_cli("run", "--recovery", "inplace", "--nproc-per-node", "3", "--epochs", "1",
+                     "--max-steps", "6", "--num-threads", "1", "--inject",
+                     "slow:rank=2:factor=60", "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary, records = load(out)
+    assert summary["steps"] == 6 and summary["replicas_agree"]
+    slow = [r["compute_s"] for r in records if r["rank"] == 2]
+    fast = [r["compute_s"] for r in records if r["rank"] == 0]
+    assert min(slow) > 0.15 and max(fast) < min(slow)  # slower than the old join timeout
+    assert {r["participants"] for r in records} == {3}
+
+
 def test_a_replica_that_reached_the_end_finishes_after_a_peer_did(tmp_path):
     """The replica that ends second has trained every step too: it finishes and reports its
     totals. It was told "the other replicas finished the run before this one rejoined" (a

@@ -38,8 +38,18 @@ from scaletrain.net import route_address, url_host
 
 # The lighthouse drops a replica whose heartbeats (every 100 ms) stop for this long.
 HEARTBEAT_TIMEOUT_MS = 500
-# How long a quorum waits for replicas that are alive but have not asked to join yet.
-JOIN_TIMEOUT_MS = 100
+# How long a quorum waits for replicas that are alive (heartbeating) but have not asked to
+# join yet: a replica still computing, healing or starting. A dead replica stops beating and
+# is not waited for past HEARTBEAT_TIMEOUT_MS, so this bounds only the wait for live ones.
+# It was 100 ms: at 32 replicas on 2 cores the requests of one step spread over more than
+# that, the lighthouse formed each quorum with the first majority (17 of 32), and the other
+# 15 healed from a peer at every step, never contributing a gradient (torchft's own default
+# is 60 s). It stays below the replicas' quorum timeout (--timeout-s), which would fail them.
+JOIN_TIMEOUT_MS = 5000
+
+
+def join_timeout_ms(timeout_s: float) -> int:
+    return int(min(JOIN_TIMEOUT_MS, timeout_s * 1000 / 4))
 
 
 class InplaceFailed(RuntimeError):
@@ -64,7 +74,7 @@ class Supervisor(JobFleet):
             self.lighthouse = LighthouseServer(
                 bind=f"{url_host(cfg.launch.bind or host)}:{port}",
                 min_replicas=1,
-                join_timeout_ms=JOIN_TIMEOUT_MS,
+                join_timeout_ms=join_timeout_ms(cfg.launch.timeout_s),
                 heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
             )
             port = int(self.lighthouse.address().rpartition(":")[2])
