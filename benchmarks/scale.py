@@ -20,7 +20,8 @@ file descriptors per process. A figure that grows faster than W between 8 and 32
 
 Checks (exit status 1 when one fails): every run completes; at 32, ddp with per-worker batch
 2 ends with the weights of one process with batch 64 (within 1e-5); every run trains every
-sample of every epoch exactly once (--log-sample-ids).
+sample of every epoch exactly once (--log-sample-ids); in place without faults, every step's
+quorum holds every replica (none heals at every step, its gradients never counted).
 
     python benchmarks/scale.py [--worlds 1,2,4,8,16,32] [--modes ddp,fsdp,...] [--device-ms 2]
 """
@@ -280,6 +281,10 @@ def main() -> None:
             if checked is None:
                 continue
             summary, once = checked
+            if mode == "inplace":  # no fault: every quorum holds every replica
+                held = {r["participants"] for r in read_records(out)}
+                FLOORS.check(f"inplace at W={w}: every step's quorum holds all {w} replicas",
+                             held == {w})  # fmt: skip
             row = row_of(mode, w, summary, out)
             rows.append(row)
             print(f"{mode:>9} W={w:<3} start {row['launch_to_first_step_s']:.1f} s, step "
