@@ -77,6 +77,16 @@ def test_a_send_whose_receiver_dies_mid_message_fails_with_peer_died():
         link.isend(torch.zeros(1))
 
 
+def test_a_link_whose_peer_died_before_making_its_end_fails_with_peer_died():
+    """A server admitted a worker and died before its end of the link existed: the worker's
+    link fails at the launcher's notice, not after the link timeout (it held that worker,
+    and the lease it held, for 600 s in make scale's 32-process run with a server killed)."""
+    store = store_here()
+    store.set(tp.death_key(*PEER), "killed by SIGKILL")  # the launcher's notice
+    with pytest.raises(tp.PeerDied, match="before the link was made"):
+        tp.Link(store, "link", server_side=False, timeout_s=LINK_TIMEOUT_S, peer=PEER)
+
+
 def test_a_live_peer_that_answers_late_is_waited_for():
     # The notice is for another attempt of the same rank: this peer is alive and answers
     # after several checks of the store.

@@ -49,6 +49,7 @@ import queue
 import threading
 from collections.abc import Sequence
 from enum import IntEnum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -142,11 +143,38 @@ class Link:
         opts._devices = [gloo_device()]
         self.rank = 0 if server_side else 1
         self.peer = 1 - self.rank
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, 2, opts)
         self.store = store
         self.peer_key = death_key(*peer) if peer is not None else None
         self.broken: str | None = None  # why the link is dead for good (PeerDied)
         self._jobs: queue.SimpleQueue[_Wait | None] | None = None
+        self.pg = self._connect(dist.PrefixStore(prefix, store), opts)
+
+    def _connect(self, store: dist.Store, opts: Any) -> Any:
+        """The two-rank gloo group; with ``peer`` known, PeerDied as soon as the launcher
+        says the peer is dead. A server that died after admitting a worker, before its end
+        of the link existed, held that worker here for the whole link timeout, and with it
+        the lease it held (32 workers, a server killed at its 10th update: 600 s)."""
+        if self.peer_key is None:
+            return dist.ProcessGroupGloo(store, self.rank, 2, opts)
+        made: dict[str, Any] = {}
+
+        def connect() -> None:
+            try:
+                made["pg"] = dist.ProcessGroupGloo(store, self.rank, 2, opts)
+            except BaseException as e:  # handed to the caller, which raises it
+                made["error"] = e
+
+        thread = threading.Thread(target=connect, daemon=True, name="scaletrain-link-connect")
+        thread.start()
+        while thread.is_alive():
+            thread.join(WATCH_S)
+            if thread.is_alive() and self.store.check([self.peer_key]):
+                cause = self.store.get(self.peer_key).decode()
+                self.broken = f"the peer process died ({cause}) before the link was made"
+                raise PeerDied(self.broken)
+        if "error" in made:
+            raise made["error"]
+        return made["pg"]
 
     # A message's tensors go with tags 0 (the header), 1 (the payload), 2 (server 0's lease),
     # so a receiver may take the header first and decide whether a payload follows.

@@ -163,11 +163,14 @@ class PSWorkerStrategy(Strategy):
     def _link(self, k: int) -> tp.Link:
         """A new link to server ``k``'s current incarnation (waiting for a restarted one)."""
         inc = self._await_incarnation(k)
+        # Tried: if it dies before the link is made, the next attempt waits for its successor.
+        self.incarnation[k] = inc
+        peer = (self.num_workers + k, inc)
         scope = f"ps/server{k}.{inc}"
         base = f"{scope}/joins"
         n = self.store.add(f"{base}/count", 1)
         self.store.set(f"{base}/{n}", join_record(self.token, scope, self.worker, self.attempt))
-        self.store.wait([f"{base}/{n}/answer"])
+        self._await_answer(f"{base}/{n}/answer", peer)
         answer = self.store.get(f"{base}/{n}/answer").decode()
         if answer != "ok":
             raise JoinRefused(
@@ -176,9 +179,18 @@ class PSWorkerStrategy(Strategy):
             )
         link = tp.Link(self.new_store(), f"ps/link/s{k}.{inc}/w{self.worker}.{self.attempt}",
                        server_side=False, timeout_s=self.cfg.launch.timeout_s,
-                       peer=(self.num_workers + k, inc))  # fmt: skip
-        self.incarnation[k], self.links[k] = inc, link
+                       peer=peer)  # fmt: skip
+        self.links[k] = link
         return link
+
+    def _await_answer(self, key: str, peer: tuple[int, int]) -> None:
+        """Until the server has answered a join (``key``), or PeerDied once the launcher
+        says it died first (it was waited for until the store's timeout)."""
+        dead = tp.death_key(*peer)
+        while not self.store.check([key]):
+            if self.store.check([dead]):
+                raise tp.PeerDied(f"server rank {peer[0]} died before it answered the join")
+            time.sleep(0.01)
 
     def _await_incarnation(self, k: int) -> int:
         """Server ``k``'s incarnation to join: its first, or the one after the incarnation
@@ -201,7 +213,11 @@ class PSWorkerStrategy(Strategy):
     def _hello(self, k: int, step: int) -> torch.Tensor:
         """Join server ``k`` (again): returns its reply header, parameters loaded."""
         while True:
-            link = self.links.get(k) or self._link(k)
+            try:
+                link = self.links.get(k) or self._link(k)
+            except tp.PeerDied as e:  # it died while admitting this worker: its successor
+                log.warning("server %d lost during its join: %s", k, e)
+                continue
             try:
                 link.send(tp.header(kind=tp.Kind.HELLO, step=step, worker=self.worker,
                                     attempt=self.attempt,
