@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -82,9 +83,23 @@ def test_a_link_whose_peer_died_before_making_its_end_fails_with_peer_died():
     link fails at the launcher's notice, not after the link timeout (it held that worker,
     and the lease it held, for 600 s in make scale's 32-process run with a server killed)."""
     store = store_here()
-    store.set(tp.death_key(*PEER), "killed by SIGKILL")  # the launcher's notice
+    link_store = TCPStore("127.0.0.1", store.port, is_master=False,
+                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
+
+    def launcher() -> None:  # the notice comes while the link is being made
+        while not any(t.name == "scaletrain-link-connect" for t in threading.enumerate()):
+            threading.Event().wait(0.01)
+        store.set(tp.death_key(*PEER), "killed by SIGKILL")
+
+    notice = threading.Thread(target=launcher, name="launcher")
+    notice.start()
+    started = time.monotonic()
     with pytest.raises(tp.PeerDied, match="before the link was made"):
-        tp.Link(store, "link", server_side=False, timeout_s=LINK_TIMEOUT_S, peer=PEER)
+        tp.Link(link_store, "link", server_side=False, timeout_s=LINK_TIMEOUT_S, peer=PEER)
+    # At the notice, not at the link's timeout (a check over the link's own store client
+    # queued behind gloo's set-up, which waits there for the peer until that timeout).
+    assert time.monotonic() - started < LINK_TIMEOUT_S / 2
+    notice.join()
 
 
 def test_a_live_peer_that_answers_late_is_waited_for():

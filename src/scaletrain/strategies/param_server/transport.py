@@ -164,12 +164,17 @@ class Link:
             except BaseException as e:  # handed to the caller, which raises it
                 made["error"] = e
 
+        # The notice is read over a connection of its own: a store client runs one call at a
+        # time, and gloo's set-up blocks in a wait on the link's until the peer is there.
+        link_store: Any = self.store  # a TCPStore client (the launcher's store)
+        watch = dist.TCPStore(link_store.host, link_store.port, is_master=False,
+                              timeout=opts._timeout)  # fmt: skip
         thread = threading.Thread(target=connect, daemon=True, name="scaletrain-link-connect")
         thread.start()
         while thread.is_alive():
             thread.join(WATCH_S)
-            if thread.is_alive() and self.store.check([self.peer_key]):
-                cause = self.store.get(self.peer_key).decode()
+            if thread.is_alive() and watch.check([self.peer_key]):
+                cause = watch.get(self.peer_key).decode()
                 self.broken = f"the peer process died ({cause}) before the link was made"
                 raise PeerDied(self.broken)
         if "error" in made:
