@@ -163,3 +163,25 @@ def test_split_counts_and_slices():
     assert partition.split_counts(7, 3) == [3, 2, 2]
     assert partition.rank_slice(10, 17, 3, 1) == (13, 15)
     assert partition.rank_slice(0, 2, 4, 3) == (2, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 500),
+    batch=st.integers(1, 64),
+    drop_last=st.booleans(),
+    consumed=st.integers(0, 500),
+)
+def test_step_count_and_next_bounds_agree_with_the_plan(n, batch, drop_last, consumed):
+    """The loop asks for the remaining steps every step without building the epoch's list;
+    the count and the next step must be the list's."""
+    cursor = min(consumed, n)
+    bounds = partition.step_bounds(n, batch, drop_last, cursor)
+    assert partition.step_count(n, batch, drop_last, cursor) == len(bounds)
+    if not partition.step_count(n, batch, drop_last):
+        return
+    sampler = GlobalBatchSampler(n, world_size=1, rank=0, batch_size=batch, seed=0,
+                                 drop_last=drop_last)  # fmt: skip
+    sampler.cursor = cursor
+    assert len(sampler) == len(bounds)
+    assert sampler.next_bounds() == (bounds[0] if bounds else None)

@@ -77,6 +77,15 @@ def step_bounds(
     return bounds
 
 
+def step_count(num_samples: int, global_batch: int, drop_last: bool, cursor: int = 0) -> int:
+    """``len(step_bounds(...))`` without building the list: the loop asks for it at every
+    step (the run's total steps), and an epoch of a large dataset has tens of thousands."""
+    if not 0 <= cursor <= num_samples:
+        raise ValueError(f"cursor {cursor} is outside an epoch of {num_samples} samples")
+    left = num_samples - cursor
+    return left // global_batch if drop_last else -(-left // global_batch)
+
+
 def split_counts(count: int, world_size: int, shares: Sequence[float] | None = None) -> list[int]:
     """Split of one global step over the ranks. Equal by default: the first
     count % world_size ranks get one more. With ``shares`` (one weight per rank, --balance

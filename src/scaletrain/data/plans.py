@@ -20,6 +20,7 @@ across failures.
 
 from __future__ import annotations
 
+import collections
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -124,7 +125,7 @@ class SampledPlan(BatchPlan):
 
     def remaining(self) -> int:
         """Steps of the current epoch not dealt yet."""
-        return len(self.sampler.bounds())
+        return len(self.sampler)
 
     def total_steps(self, progress: Any) -> int:
         """The rest of the current epoch under this world size, then whole epochs, capped by
@@ -167,12 +168,12 @@ class SamplerPlan(SampledPlan):
         self.device = device
         self._epoch: int | None = None  # the epoch self._batches iterates
         self._batches: Iterator[Any] = iter(())
-        self._bounds: list[tuple[int, int]] = []
+        self._bounds: collections.deque[tuple[int, int]] = collections.deque()
         self._dealt = 0  # steps dealt and not committed yet (0 or 1): still to be trained
 
     def _start_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
-        self._epoch, self._bounds = epoch, self.sampler.bounds()
+        self._epoch, self._bounds = epoch, collections.deque(self.sampler.bounds())
         self._order = self.sampler.order()
         # The loader asks the sampler for its plan now, so a restored cursor is honoured.
         self._batches = iter(self.loader)
@@ -187,7 +188,7 @@ class SamplerPlan(SampledPlan):
             if epoch >= self.cfg.train.epochs:
                 return None
             self._start_epoch(epoch)
-        start, end = self._bounds.pop(0)
+        start, end = self._bounds.popleft()
         self._dealt = 1
         shares = self.sampler.shares
         return StepPlan(
@@ -209,7 +210,7 @@ class SamplerPlan(SampledPlan):
 
     def remaining(self) -> int:
         if self._epoch is None:
-            return len(self.sampler.bounds())
+            return len(self.sampler)
         return len(self._bounds) + self._dealt
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

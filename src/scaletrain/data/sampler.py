@@ -54,7 +54,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.cursor = 0
         # --balance speed: each rank's weight in a step's split (None: equal shares).
         self.shares: list[float] | None = None
-        if not partition.step_bounds(num_samples, self.global_batch, drop_last):
+        if not partition.step_count(num_samples, self.global_batch, drop_last):
             raise ValueError(
                 f"drop_last with {num_samples} samples and a global batch of {self.global_batch} "
                 "leaves no step; lower the batch size or turn drop_last off"
@@ -81,10 +81,19 @@ class GlobalBatchSampler(Sampler[list[int]]):
         )
 
     def __len__(self) -> int:
-        return len(self.bounds())
+        """The remaining global steps of this epoch."""
+        return partition.step_count(
+            self.num_samples, self.global_batch, self.drop_last, self.cursor
+        )
+
+    def next_bounds(self) -> tuple[int, int] | None:
+        """The next global step's [start, end), None when the epoch has no step left."""
+        if not len(self):
+            return None
+        return self.cursor, min(self.cursor + self.global_batch, self.num_samples)
 
     def steps_per_epoch(self) -> int:
-        return len(partition.step_bounds(self.num_samples, self.global_batch, self.drop_last))
+        return partition.step_count(self.num_samples, self.global_batch, self.drop_last)
 
     def global_counts(self) -> list[int]:
         """Samples in each remaining global step, over all ranks (the weights' denominators)."""

@@ -290,11 +290,13 @@ class QuorumPlan(SampledPlan):
             return None
         n, rank = self.strategy.membership()
         self.sampler.resize(n, rank)
-        while not self.sampler.bounds():  # the epoch is done: the next starts at its beginning
+        while not len(self.sampler):  # the epoch is done: the next starts at its beginning
             if self.sampler.epoch + 1 >= self.cfg.train.epochs:
                 return None
             self.sampler.set_epoch(self.sampler.epoch + 1)
-        lo, hi = self.sampler.bounds()[0]
+        bounds = self.sampler.next_bounds()
+        assert bounds is not None
+        lo, hi = bounds
         return StepPlan(
             step=progress.step + 1,
             epoch=self.sampler.epoch,
