@@ -2,9 +2,9 @@
 
 Launched by torchrun. Same model builder, dataset, batch and optimizer as scaletrain's ddp run
 in ddp_overhead.py; torch's DistributedSampler, the built-in C++ all-reduce hook, no metrics.
-Rank 0 writes the end time of every step, in seconds since the loop started, to --out;
-ddp_overhead.py turns them into rates exactly as it does scaletrain's (metrics.jsonl's
-time_s of rank 0, measured from the same point).
+Rank 0 writes the end time of every step, in seconds since the loop started, and the Unix
+time it started, to --out; ddp_overhead.py compares them with scaletrain's (metrics.jsonl's
+unix_time of rank 0) over the seconds in which both ran.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_batch)
 
     step_ends = []
-    start = time.perf_counter()
+    if dist.get_rank() == 0:  # for ddp_overhead.py, which starts its pair once this trains
+        open(args.out + ".started", "w").close()
+    start, start_unix = time.perf_counter(), time.time()
     for x, y in loader:
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -54,7 +56,7 @@ def main() -> None:
         step_ends.append(time.perf_counter())
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"step_ends": [t - start for t in step_ends]}, f)
+            json.dump({"step_ends": [t - start for t in step_ends], "start_unix": start_unix}, f)
     dist.destroy_process_group()
     os._exit(0)  # same exit as scaletrain's workers (see scaletrain/worker.py: exit_now)
 
