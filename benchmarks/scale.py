@@ -44,6 +44,8 @@ from typing import Any
 
 from floors import Floors  # noqa: E402
 
+from scaletrain.io import read_jsonl  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 FLOORS = Floors()
 TASK = str(REPO / "benchmarks" / "sleeping_device.py") + ":build_task"
@@ -116,6 +118,18 @@ def exactly_once(out: Path, num_samples: int) -> bool:
     """Every sample of every epoch trained once: the steps that were kept (a ps push not
     applied trained nothing; in the restart mode, an attempt's steps after the checkpoint
     the next attempt resumed from were redone, and count once, in the later attempt)."""
+    ledger = read_jsonl(out / "logs" / "ps_ledger.jsonl")
+    if ledger and len({r["server_attempt"] for r in ledger}) == 1:
+        # Under a parameter server a sample is trained when server 0 applied its lease: the
+        # ledger is the account (a worker may die between that and writing its record). A
+        # server 0 that restarted rolled back to its checkpoint, and what it had committed
+        # since is dealt again: then the workers' kept records are the account.
+        by_epoch: dict[int, list[int]] = defaultdict(list)
+        for r in ledger:
+            by_epoch[r["epoch"]] += r["sample_ids"]
+        return bool(by_epoch) and all(
+            sorted(ids) == list(range(num_samples)) for ids in by_epoch.values()
+        )
     summary = json.loads((out / "summary.json").read_text())
     resumed_at = {r["attempt"]: r["step"] for r in summary.get("recoveries", [])
                   if r.get("kind") in ("restart", "resume") and "attempt" in r}  # fmt: skip

@@ -44,6 +44,14 @@ def assert_exactly_once(records, epochs):
         assert sorted(seen[epoch]) == list(range(DIGITS)), f"epoch {epoch}"
 
 
+def assert_ledger_once(out, epochs):
+    """Server 0's ledger (logs/ps_ledger.jsonl), the run's account of what was applied, has
+    every sample once per epoch too: the account that holds when a worker dies between its
+    applied push and its record."""
+    ledger = read_jsonl(out / "logs" / "ps_ledger.jsonl")
+    assert_exactly_once([{**r, "committed": True} for r in ledger], epochs)
+
+
 def assert_continued_without(records, rank, died_at, until):
     """The other workers applied steps while ``rank`` was dead, in their first attempt."""
     others = [r for r in records if r["rank"] != rank and died_at < r["unix_time"] < until]
@@ -87,6 +95,7 @@ def test_bsp_drops_a_dead_worker_and_its_restart_rejoins(tmp_path):
     summary, records = load(out)
     assert summary["test_accuracy"] >= 0.95
     assert_exactly_once(records, 8)
+    assert_ledger_once(out, 8)
     [death] = [r for r in summary["recoveries"] if r["kind"] == "ps-worker"]
     assert death["rank"] == 2 and death["restarted"] and death["cause"] == "killed by SIGKILL"
     assert death["detected_s"] is not None and death["requeued_samples"] > 0
@@ -117,6 +126,7 @@ def test_asp_worker_killed_others_continue_and_its_data_is_trained_once(tmp_path
     summary, records = load(out)
     assert summary["test_accuracy"] >= 0.92, summary["test_accuracy"]
     assert_exactly_once(records, 8)
+    assert_ledger_once(out, 8)
     [death] = summary["recoveries"]
     assert death["kind"] == "ps-worker" and death["rank"] == 1 and not death["restarted"]
     # The batch it held when it died, dealt again: a whole one, or the last of an epoch

@@ -32,6 +32,7 @@ Events for summary.json's recoveries go to logs/ps_events.jsonl.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -57,6 +58,9 @@ log = logging.getLogger("scaletrain.ps.server")
 
 def append_event(run_dir: Path, event: dict[str, Any]) -> None:
     append_jsonl(run_dir / "logs" / "ps_events.jsonl", {**event, "unix_time": time.time()})
+
+
+LEDGER = "ps_ledger.jsonl"
 
 
 def first_line(e: BaseException) -> str:
@@ -327,6 +331,31 @@ class ShardServer:
             elif self.coordinator is not None:
                 self._deal(-1)  # parked workers may now get the requeued samples, or the end
 
+    def _commit(self, workers: list[int]) -> int:
+        """Server 0, lock held: the leases of ``workers`` were applied; their samples are
+        trained. Each goes into logs/ps_ledger.jsonl, the run's account of which samples
+        were trained: a worker can die after its push was applied and before it wrote the
+        step's record (a host powered off between the two), and its samples are trained
+        all the same. Returns the samples committed."""
+        if self.coordinator is None:
+            return 0
+        lines, total = [], 0
+        for worker in workers:
+            lease = self.coordinator.leases.get(worker)
+            if lease is None or not self.coordinator.commit(worker):
+                continue
+            total += len(lease.indices)
+            lines.append({"worker": worker, "epoch": lease.epoch, "step": lease.step,
+                          "sample_ids": list(lease.indices), "server_attempt": self.attempt,
+                          "version": self.version})  # fmt: skip
+        if lines:
+            text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
+            path = self.run_dir / "logs" / LEDGER
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:  # one write of the step's leases
+                f.write(text)
+        return total
+
     def _drop(self, worker: int) -> int:
         """Lock held: ``worker`` is no longer served; returns the samples requeued. A bsp
         worker that already pushed this step stays in it (its gradient is in the sum, and
@@ -405,7 +434,7 @@ class ShardServer:
                 return self._bsp_push(worker, step, samples, grad, started)
             applied_factor = self._apply(grad, staleness=stale)
             self.clocks[worker] = int(head[tp.CLOCK])  # the worker's count, as every server's
-            committed = self.coordinator.commit(worker) > 0 if self.coordinator else False
+            committed = self._commit([worker]) > 0
             if self.coordinator is not None:
                 self.leases.pop(worker, None)
             self.cond.notify_all()
@@ -505,9 +534,7 @@ class ShardServer:
                                         "worker": worker, "how": "barrier timeout"})  # fmt: skip
         if self.barrier_samples:
             self.released_lr_factor = self._apply(self.barrier_sum / self.barrier_samples)
-        if self.coordinator is not None:
-            for worker in self.arrived:
-                self.coordinator.commit(worker)
+        self._commit(sorted(self.arrived))
         self.released_step = self.barrier_step
         self.barrier_sum.zero_()
         self.barrier_samples = 0
