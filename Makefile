@@ -10,7 +10,7 @@ PIP_CONSTRAINT_FLAGS = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: install demo test test-fast stress fuzz lint bench scale clean
+.PHONY: install demo test test-fast stress fuzz lint bench scale scale-hosts clean
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ lint: install
 # time goes against world size (about 25 minutes on 2 cores; runs/scale/).
 scale: install
 	$(BIN)/python benchmarks/scale.py
+
+# 8 emulated hosts x 4 workers over 1 Gbit/s links (the netns lab: needs root), ddp and the
+# parameter server, a cable cut for 10 s and a host powered off (about 4 minutes; runs/hosts/).
+scale-hosts: install
+	$(BIN)/python benchmarks/hosts.py
 
 bench: install
 	$(BIN)/python benchmarks/ddp_overhead.py

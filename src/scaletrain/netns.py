@@ -263,6 +263,10 @@ class NetworkLab:
         """Cut host ``host``'s cable (its switch port goes down)."""
         _run("ip", "-n", self.switch, "link", "set", f"s{host}", "down")
 
+    def link_up(self, host: int) -> None:
+        """Plug host ``host``'s cable back in."""
+        _run("ip", "-n", self.switch, "link", "set", f"s{host}", "up")
+
     def wait_ready(self, timeout_s: float = 5.0) -> None:
         """Wait until the bridge forwards (its ports leave the listening state)."""
         deadline = time.monotonic() + timeout_s
