@@ -78,6 +78,7 @@ def test_n_workers_match_one_worker_with_n_times_the_batch(tmp_path, singles, wo
     assert last == last_split
     diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
     assert diff <= 1e-5, f"max abs weight difference {diff:.3g}"
+    assert all(r["comm_s"] > 0 and r["comm_bytes"] > 0 for r in run["records"])
     # The comparison is not vacuous: training moved the loss well beyond the tolerance.
     first = next(r["loss"] for r in run["records"] if r["step"] == 1 and r["rank"] == 0)
     assert run["summary"]["final_loss"] < first - 0.1
@@ -98,7 +99,9 @@ def test_metrics_contract(single):
             "wait_s",
             "data_s",
         } <= r.keys()
-        assert r["comm_s"] > 0 and r["compute_s"] > 0
+        # One process communicates nothing: its DDP runs no all-reduce hook (the n-worker
+        # test below checks that every step of several workers times its communication).
+        assert r["comm_s"] == 0 and r["compute_s"] > 0
     for key in (
         "strategy",
         "world_size",
