@@ -32,7 +32,6 @@ Events for summary.json's recoveries go to logs/ps_events.jsonl.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -46,7 +45,7 @@ from torch import nn
 from scaletrain.config import RunConfig
 from scaletrain.fault.checkpoint import load_latest, save_checkpoint
 from scaletrain.fault.inject import parse_inject
-from scaletrain.io import append_jsonl, atomic_torch_save
+from scaletrain.io import JsonlWriter, append_jsonl, atomic_torch_save
 from scaletrain.schedule import lr_factor, scale_lr
 from scaletrain.strategies.param_server import consistency as rules
 from scaletrain.strategies.param_server import transport as tp
@@ -120,6 +119,8 @@ class ShardServer:
         self.barrier_opened = 0.0
         self.released_step = 0  # the last global step applied
         self.coordinator = None
+        # Server 0's account of the leases it applied (_commit), open for the server's life.
+        self.ledger = JsonlWriter(run_dir / "logs" / LEDGER) if index == 0 else None
         if index == 0:
             self.coordinator = DataCoordinator(
                 num_train,
@@ -218,6 +219,8 @@ class ShardServer:
                 "samples_trained": self.coordinator.samples_trained if self.coordinator else 0,
             }
         atomic_torch_save(self.run_dir / "checkpoints" / f"final-server{self.index}.pt", final)
+        if self.ledger is not None:
+            self.ledger.close()
 
     def _accept(self) -> None:
         scope = f"ps/server{self.index}.{self.attempt}"
@@ -337,23 +340,17 @@ class ShardServer:
         were trained: a worker can die after its push was applied and before it wrote the
         step's record (a host powered off between the two), and its samples are trained
         all the same. Returns the samples committed."""
-        if self.coordinator is None:
+        if self.coordinator is None or self.ledger is None:
             return 0
-        lines, total = [], 0
+        total = 0
         for worker in workers:
             lease = self.coordinator.leases.get(worker)
             if lease is None or not self.coordinator.commit(worker):
                 continue
             total += len(lease.indices)
-            lines.append({"worker": worker, "epoch": lease.epoch, "step": lease.step,
-                          "sample_ids": list(lease.indices), "server_attempt": self.attempt,
-                          "version": self.version})  # fmt: skip
-        if lines:
-            text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
-            path = self.run_dir / "logs" / LEDGER
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as f:  # one write of the step's leases
-                f.write(text)
+            self.ledger.write({"worker": worker, "epoch": lease.epoch, "step": lease.step,
+                               "sample_ids": list(lease.indices), "version": self.version,
+                               "server_attempt": self.attempt})  # fmt: skip
         return total
 
     def _drop(self, worker: int) -> int:
