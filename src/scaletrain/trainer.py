@@ -261,8 +261,11 @@ class Trainer:
         self.rates.add(plan.num_samples, busy_s)
         if self.progress.step % self.cfg.train.balance_every:
             return
+        rate = self.rates.take()
+        if self.plan.offer_rate(rate):
+            return  # the plan shares the rates itself (in place: on the step's all-reduce)
         self.watchdog.enter(self.progress.step, "balancing", "all-gather of rates")
-        rates = self.world.gather(self, self.rates.take())
+        rates = self.world.gather(self, rate)
         shares, self.smoothed_rates = next_shares(self.plan.shares(), rates, self.smoothed_rates)
         if shares is not None:
             log.info("balance: shares %s from rates %s", [round(x, 3) for x in shares],

@@ -1,7 +1,7 @@
-"""--balance speed with real processes: one of three workers 3x slower (as slower hardware:
-it sleeps twice its compute after each step) gets fewer samples; the weights stay those of one
-worker trained on the same global batches, every sample is trained once per epoch, and a
-restarted run continues with the shares its checkpoint holds."""
+"""--balance speed with real processes (ddp, and in place): one of three workers 3x slower (as
+slower hardware: it sleeps twice its compute after each step) gets fewer samples; the weights
+stay those of one worker trained on the same global batches, every sample is trained once per
+epoch, and a restarted run continues with the shares its checkpoint holds."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from scaletrain.io import read_jsonl
-from tests.conftest import assert_no_orphans, run_cli
+from tests.conftest import assert_no_orphans, built_once, run_cli
 
 SAMPLES = 600
 # 3 workers x 16 = global steps of 48: 12 full steps and one of 24 an epoch.
@@ -26,17 +26,22 @@ def weights(out):
     return torch.load(out / "checkpoints" / "final.pt", weights_only=True)["model"]
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    out = tmp_path_factory.mktemp("balance") / "one"
-    result = run_cli("run", *COMMON, "--batch-size", "48", "--out", str(out))
+def train_single(root):
+    result = run_cli("run", *COMMON, "--batch-size", "48", "--out", str(root / "one"))
     assert result.returncode == 0, result.stderr
-    return out
 
 
-def test_a_slow_worker_gets_fewer_samples_and_the_math_stays_exact(tmp_path, single):
+@pytest.fixture(scope="session")
+def single(tmp_path_factory):
+    return built_once(tmp_path_factory, "balance-single", train_single) / "one"
+
+
+@pytest.mark.parametrize("recovery", ["restart", "inplace"])
+def test_a_slow_worker_gets_fewer_samples_and_the_math_stays_exact(tmp_path, single, recovery):
+    """In place, the rates ride on each step's all-reduce and the split follows the quorum
+    (strategies/inplace.py); the math is the same."""
     out = tmp_path / "run"
-    result = run_cli("run", *COMMON, *BALANCED, "--out", str(out))
+    result = run_cli("run", *COMMON, *BALANCED, "--recovery", recovery, "--out", str(out))
     assert result.returncode == 0, result.stderr
     diff = max((weights(out)[k] - weights(single)[k]).abs().max().item() for k in weights(out))
     assert diff <= 1e-5, diff

@@ -125,8 +125,8 @@ def test_a_replica_that_reached_the_end_finishes_after_a_peer_did(tmp_path):
     cfg = with_overrides(RunConfig(), {"recovery": "inplace", "max_steps": 5, "out": str(tmp_path)})
     (tmp_path / "logs" / "final").mkdir(parents=True)
     (tmp_path / "logs" / "final" / "rank0.json").write_text("{}")  # the peer's, written first
-    strategy = types.SimpleNamespace(cfg=cfg, ctx=types.SimpleNamespace(device=torch.device("cpu")),
-                                     run_dir=tmp_path)  # fmt: skip
+    ctx = types.SimpleNamespace(device=torch.device("cpu"), rank=1, world_size=2)
+    strategy = types.SimpleNamespace(cfg=cfg, ctx=ctx, run_dir=tmp_path)
     plan = QuorumPlan(strategy, list(range(96)))
     assert plan.next_step(types.SimpleNamespace(step=5)) is None
 

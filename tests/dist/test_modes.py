@@ -64,7 +64,6 @@ REFUSED = {
     ("inplace", "checkpoint-async"): "no checkpoints",
     ("inplace", "inject hang"): "measured: nothing ended the silent process",
     ("inplace", "inject corrupt"): "no checkpoints",
-    ("inplace", "balance"): "each step is re-dealt over its quorum",
     ("ps", "checkpoint-async"): "the servers always write in the background",
     ("ps", "hang-timeout"): "--barrier-timeout-s and --timeout-s drop silent peers",
     ("ps", "inject hang"): "measured: nothing ended the silent process",
@@ -131,7 +130,7 @@ def group_run(mode: str, group: str, root: Path) -> Run:
     return Run(out, result.stderr)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def root(tmp_path_factory):
     return tmp_path_factory.mktemp("modes")
 

@@ -83,6 +83,11 @@ class BatchPlan(ABC):
         """Each rank's weight in a step's split (--balance speed); None: even."""
         return None
 
+    def offer_rate(self, rate: float) -> bool:
+        """--balance speed: this rank's rate over the last window. True: the plan shares the
+        ranks' rates itself; False (here): the loop gathers them."""
+        return False
+
     def set_shares(self, shares: list[float]) -> None:
         raise NotImplementedError(f"{type(self).__name__} splits no step by shares")
 

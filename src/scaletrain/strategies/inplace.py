@@ -25,6 +25,17 @@ The global batch follows the membership (the per-worker batch is kept); the lear
 not rescaled.
 
 Records carry ``participants`` and ``quorum_s`` (the time the step waited for its quorum).
+
+``--balance speed`` in place: each replica's rate (samples per busy second over
+--balance-every steps) rides on every step's gradient all-reduce, in two small slots of
+world-size floats appended to the flat gradient: one by replica id for the rates, one by
+quorum rank for the replica ids (so every participant learns who holds which rank). When the
+next quorum is the same one (torchft's quorum id unchanged), the step is split in proportion
+to its participants' rates (balance.py: no share below a quarter of an even one, and a split
+that moves less than the hysteresis is kept); a new quorum splits evenly for one step, until
+its members are known. The rates are the plan's state, so a replica that heals copies them
+and splits the same way. A replica slowed down then holds up nobody for long: it gets fewer
+samples, and the others more.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import torch
 from torch import nn
 
 from scaletrain import env
+from scaletrain.data.balance import HYSTERESIS, MIN_SHARE, floored
 from scaletrain.data.partition import rank_indices, split_counts
 from scaletrain.data.plans import (
     BatchPlan,
@@ -130,7 +142,6 @@ def wait_for_peers(run_dir: Path, rank: int, world: int, timeout_s: float) -> No
 
 class InplaceStrategy(Strategy):
     supports_fp16 = True  # every participant holds the same gradients after the all-reduce
-    balance_refusal = "each step is split over that step's quorum; not balanced yet"
     collective = "torchft gradient all-reduce"
     plan_collective = "torchft quorum"
     holds_replica = True
@@ -172,7 +183,13 @@ class InplaceStrategy(Strategy):
             wait_for_peers(self.run_dir, ctx.rank, ctx.world_size, cfg.launch.timeout_s)
 
     def build_plan(self, dataset: Any) -> BatchPlan:
-        return QuorumPlan(self, dataset)
+        self.plan = QuorumPlan(self, dataset)
+        return self.plan
+
+    def quorum_id(self) -> int:
+        """torchft's id of the quorum just formed (it changes with the membership only).
+        torchft 0.2 keeps it private; the pin in constraints/cpu.txt holds it there."""
+        return int(self.manager._quorum_id)
 
     def bind_state(
         self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
@@ -203,14 +220,19 @@ class InplaceStrategy(Strategy):
             self.module, self.loss_fn, batch.inputs, batch.targets, batch.num_samples, weight
         )
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        slots = self.plan.rate_slots(n, self.membership()[1]) if self.plan.balancing else None
+        flat = torch.cat([g.reshape(-1) for g in grads] + ([slots] if slots is not None else []))
         compute_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.manager.allreduce(flat).wait()  # the mean over participants
+        if self.manager.errored() is not None:
+            self.drop_group()
         committed = self.manager.should_commit()
         comm_s = time.perf_counter() - t1
         extras: dict[str, Any] = {"participants": n}
-        if committed:  # else a peer failed mid-step: nothing is applied
+        if committed:  # else a peer failed mid-step: nothing is applied (the sum is junk)
+            if slots is not None:
+                self.plan.heard(flat[flat.numel() - slots.numel() :], n)
             offset = 0
             for p, g in zip(self.params, grads, strict=True):
                 p.grad = flat[offset : offset + g.numel()].view_as(g)
@@ -229,8 +251,15 @@ class InplaceStrategy(Strategy):
             extras=extras,
         )
 
-    def memory_bytes(self) -> dict[str, int]:
-        return replica_memory(self.module, self.optimizer)
+    def drop_group(self) -> None:
+        """This step's all-reduce failed (a peer died or went silent): close this replica's
+        gloo connections now. In a ring, only the dead peer's neighbours see it die; the
+        others wait on their neighbours, which would have held their connections open until
+        the next quorum, so every survivor sat out the collective's whole timeout
+        (--hang-timeout-s; 3.3 s stalls after each SIGKILL in benchmarks/chaos.py). Closed,
+        the failure runs round the ring in milliseconds. The next quorum builds a new group
+        (torchft reconfigures it). This reaches into torchft 0.2's wrapper (its ``_pg``)."""
+        self.manager._pg.abort()
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -254,6 +283,79 @@ class QuorumPlan(SampledPlan):
         self.sampler = build_sampler(dataset, self.cfg, world_size=1, rank=0)
         self.device = strategy.ctx.device
         self.run_dir = strategy.run_dir
+        # --balance speed (the module's docstring): this replica's latest rate, and what the
+        # last committed step's all-reduce said: each replica's rate (by replica id), who
+        # held each quorum rank, in which quorum; the split in force.
+        self.balancing = self.cfg.train.balance == "speed"
+        self.world = strategy.ctx.world_size
+        self.offered = 0.0
+        self.rates: dict[int, float] = {}
+        self.holders: list[int] = []
+        self.holders_quorum = -1
+        self.split: list[float] | None = None
+        self._heard: tuple[list[int], dict[int, float]] | None = None
+
+    def offer_rate(self, rate: float) -> bool:
+        self.offered = rate
+        return True
+
+    def rate_slots(self, n: int, rank: int) -> torch.Tensor:
+        """What this replica adds to the step's all-reduce (a mean over ``n``): its rate in
+        its replica id's slot, its replica id (+1) in its quorum rank's."""
+        slots = torch.zeros(2 * self.world, dtype=torch.float32)
+        me = self.strategy.ctx.rank
+        slots[me] = self.offered * n
+        slots[self.world + rank] = (me + 1) * n
+        return slots
+
+    def heard(self, slots: torch.Tensor, n: int) -> None:
+        """The all-reduced slots of a step that commits (the plan keeps them at commit)."""
+        values = slots.tolist()
+        holders = [round(x) - 1 for x in values[self.world : self.world + n]]
+        rates = {i: values[i] for i in holders if values[i] > 0}
+        self._heard = (holders, rates)
+
+    def commit(self, plan: StepPlan) -> None:
+        super().commit(plan)
+        if self._heard is not None:  # the same numbers on every participant
+            self.holders, heard = self._heard
+            self.rates.update(heard)
+            self.holders_quorum = self.strategy.quorum_id()
+            self._heard = None
+
+    def _shares(self, n: int) -> list[float] | None:
+        """The split of a step of this quorum: by rate once its members are known, else
+        even. The same on every participant (the same state, the same quorum id)."""
+        known = (
+            self.balancing
+            and self.strategy.quorum_id() == self.holders_quorum
+            and len(self.holders) == n
+            and all(self.rates.get(i, 0.0) > 0 for i in self.holders)
+        )
+        if not known:
+            self.split = None
+            return None
+        rates = [self.rates[i] for i in self.holders]
+        target = floored([r / sum(rates) for r in rates], MIN_SHARE / n)
+        now = self.split if self.split and len(self.split) == n else [1.0 / n] * n
+        if max(abs(t - c) / c for t, c in zip(target, now, strict=True)) > HYSTERESIS:
+            self.split = target
+        return self.split
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "balance": {"rates": dict(self.rates), "holders": self.holders,
+                        "holders_quorum": self.holders_quorum, "split": self.split},
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        balance = state.get("balance") or {}
+        self.rates = {int(k): v for k, v in balance.get("rates", {}).items()}
+        self.holders = list(balance.get("holders", []))
+        self.holders_quorum = balance.get("holders_quorum", -1)
+        self.split = balance.get("split")
 
     def _run_ended(self) -> bool:
         """The other replicas finished the run (their final reports are there): a replica
@@ -277,6 +379,7 @@ class QuorumPlan(SampledPlan):
     def next_step(self, progress: Any) -> StepPlan | None:
         """The quorum may heal this replica: the manager loads a peer's training state into
         the loop, ``progress`` included (in place), and into this plan's sampler."""
+        self._heard = None
         if self._max_steps_reached(progress) or self._data_done():
             return None  # this replica's run is over too: it finishes (and reports) normally
         if self._run_ended():
@@ -297,14 +400,18 @@ class QuorumPlan(SampledPlan):
         bounds = self.sampler.next_bounds()
         assert bounds is not None
         lo, hi = bounds
+        shares = self._shares(n)
+        extras: dict[str, Any] = {"quorum_s": quorum_s}
+        if shares:
+            extras["share"] = shares[rank]
         return StepPlan(
             step=progress.step + 1,
             epoch=self.sampler.epoch,
-            indices=rank_indices(self.sampler.order(), lo, hi, n, rank),
-            num_samples=split_counts(hi - lo, n)[rank],
+            indices=rank_indices(self.sampler.order(), lo, hi, n, rank, shares),
+            num_samples=split_counts(hi - lo, n, shares)[rank],
             global_samples=hi - lo,
             wait_s=quorum_s,
-            extras={"quorum_s": quorum_s},
+            extras=extras,
         )
 
     def load(self, plan: StepPlan) -> tuple[Any, Any]:
