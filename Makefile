@@ -10,7 +10,7 @@ PIP_CONSTRAINT_FLAGS = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: install demo test test-fast stress fuzz lint bench scale scale-hosts clean
+.PHONY: install demo test test-fast stress fuzz lint bench scale scale-hosts chaos clean
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,12 @@ scale: install
 # parameter server, a cable cut for 10 s and a host powered off (about 4 minutes; runs/hosts/).
 scale-hosts: install
 	$(BIN)/python benchmarks/hosts.py
+
+# 8 in-place replicas through a 5-minute storm of seeded faults (kills, freezes, cable cuts,
+# slow devices), against the same job without faults (the netns lab: needs root; about 13
+# minutes; runs/chaos/).
+chaos: install
+	$(BIN)/python benchmarks/chaos.py
 
 bench: install
 	$(BIN)/python benchmarks/ddp_overhead.py

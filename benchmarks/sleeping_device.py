@@ -15,12 +15,17 @@ pipeline's cuts, tensor-parallel plans, FSDP units) sees the built-in model it k
 the weights are those of the same run without sleeps.
 
     scaletrain run --task benchmarks/sleeping_device.py:build_task --model mlp ...
+
+A device can be made slower while it runs (benchmarks/chaos.py's "slow" fault): with
+SCALETRAIN_DEVICE_SLOW_DIR set, a file ``rank<R>`` there holding a number multiplies rank R's
+sleeps by it from its next forward on, until the file is removed.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +35,7 @@ from scaletrain.config import RunConfig
 from scaletrain.task import Task, build_builtin_task
 
 DEVICE_MS = "SCALETRAIN_DEVICE_MS"  # per sample, forward; backward sleeps twice this
+SLOW_DIR = "SCALETRAIN_DEVICE_SLOW_DIR"  # rank<R> there: rank R's device is that much slower
 
 
 class DeviceTime(torch.autograd.Function):
@@ -47,16 +53,25 @@ class DeviceTime(torch.autograd.Function):
         return grad, None
 
 
-def add_device_time(model: nn.Module, ms_per_sample: float) -> None:
-    """Every top-level layer's output passes through DeviceTime for its share of the time."""
+def add_device_time(model: nn.Module, ms_per_sample: float, slow_file: Path | None = None) -> None:
+    """Every top-level layer's output passes through DeviceTime for its share of the time
+    (times the number in ``slow_file``, read at each forward, while it exists)."""
     layers = list(model.children()) or [model]
     share = ms_per_sample * 1e-3 / len(layers)
+    factor = [1.0]
+
+    def read_factor(module: nn.Module, inputs: Any) -> None:
+        try:
+            factor[0] = float(slow_file.read_text()) if slow_file else 1.0
+        except (OSError, ValueError):  # no file (or one being written): full speed
+            factor[0] = 1.0
 
     def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            return DeviceTime.apply(output, share * output.shape[0])
+            return DeviceTime.apply(output, factor[0] * share * output.shape[0])
         return output
 
+    model.register_forward_pre_hook(read_factor)
     for layer in layers:
         layer.register_forward_hook(hook)
 
@@ -64,5 +79,7 @@ def add_device_time(model: nn.Module, ms_per_sample: float) -> None:
 def build_task(cfg: RunConfig) -> Task:
     """The built-in task of ``cfg`` (its --model on its --dataset), on a sleeping device."""
     task = build_builtin_task(cfg)  # --model on --dataset; --task names this file
-    add_device_time(task.model, float(os.environ.get(DEVICE_MS, "1.0")))
+    slow_dir = os.environ.get(SLOW_DIR)
+    slow_file = Path(slow_dir) / f"rank{os.environ.get('RANK', '0')}" if slow_dir else None
+    add_device_time(task.model, float(os.environ.get(DEVICE_MS, "1.0")), slow_file)
     return task

@@ -222,13 +222,15 @@ class NetworkLab:
         shared_out: bool = False,
         env: dict[str, str] | None = None,
         hosts: list[int] | None = None,
+        output: Path | None = None,
     ) -> list[subprocess.Popen[str]]:
         """Start ``scaletrain run ARGS`` on every host as one job: host 0 hosts the c10d
         rendezvous, every node binds gloo to its eth0 and writes to out_root/node<i>, or with
         ``shared_out`` all to out_root (a file system every host shares, as restart recovery
         across nodes needs). ``nnodes``: --nnodes (default: the number of hosts); ``env``: added
         to every node's environment; ``hosts``: start only these (a later call with the others
-        makes them join the job)."""
+        makes them join the job); ``output``: each node's stdout and stderr go to files there
+        (host<i>.out, host<i>.err) instead of pipes the caller must drain."""
         import sys
 
         procs = []
@@ -241,6 +243,11 @@ class NetworkLab:
                 "--rdzv-endpoint", f"{self.hosts[0].ip}:{port}", "--rdzv-id", self.name,
                 "--local-addr", host.ip, "--out", str(out),
             ]  # fmt: skip
+            streams: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+            if output is not None:
+                output.mkdir(parents=True, exist_ok=True)
+                streams = {name: (output / f"host{host.index}.{name[3:]}").open("w")
+                           for name in ("stdout", "stderr")}  # fmt: skip
             procs.append(
                 self.popen(
                     host.index,
@@ -248,10 +255,12 @@ class NetworkLab:
                     env={**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": host.ifname},
                     text=True,
                     stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
+                    **streams,
                 )  # fmt: skip
             )
+            if output is not None:  # the child holds its own copies
+                for stream in streams.values():
+                    stream.close()
         return procs
 
     def kill_host(self, host: int) -> list[int]:
