@@ -1,12 +1,20 @@
-"""Shared fixtures: environment isolation, process-group cleanup, CLI runner, orphan check."""
+"""Shared fixtures: environment isolation, process-group cleanup, CLI runner, orphan check.
+
+The reference runs that several tests of a module compare against are session-scoped
+fixtures: pytest-xdist interleaves modules on a worker, and a module-scoped fixture is torn
+down whenever its worker moves to another module, then trained again when it comes back.
+``built_once`` goes further: one build per session, shared by the workers."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +149,26 @@ def start_local_nodes(
     for proc in procs:
         proc.rdzv_port = port  # type: ignore[attr-defined]
     return procs
+
+
+def built_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None]) -> Path:
+    """A directory ``build`` fills once per test session, whichever pytest-xdist worker asks
+    first (the others wait for it and reuse it): a module-scoped fixture is built again by
+    every worker that runs one of its tests, and again whenever a worker comes back to the
+    module after another one (xdist interleaves them), which cost the report's runs 3 builds
+    of 17 s in one `make test`."""
+    from filelock import FileLock  # torch's own dependency
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.mktemp(name)
+        build(path)
+        return path
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, shared by its workers
+    path = shared / name
+    with FileLock(str(shared / f"{name}.lock")):
+        if not (shared / f"{name}.done").exists():
+            shutil.rmtree(path, ignore_errors=True)  # a build that failed half-way
+            path.mkdir()
+            build(path)
+            (shared / f"{name}.done").touch()
+    return path

@@ -56,7 +56,7 @@ def run(tmp_path, name: str, overrides: dict) -> tuple[dict, list[dict]]:
     return summary, records
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def baseline(tmp_path_factory):
     return run(tmp_path_factory.mktemp("ddp"), "ddp", {})
 

@@ -49,7 +49,7 @@ def train(tmp_path, world: int, num_samples: int, **overrides) -> tuple[dict, di
     return weights, {"summary": summary, "records": records}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def singles(tmp_path_factory):
     cache: dict[int, tuple[dict, dict]] = {}
 
@@ -61,7 +61,7 @@ def singles(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(singles):
     return singles(115)
 

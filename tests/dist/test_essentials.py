@@ -34,7 +34,7 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(tmp_path_factory):
     """One process, batch 30: the reference for every equivalence here."""
     return train(tmp_path_factory.mktemp("single") / "run", batch_size=30)

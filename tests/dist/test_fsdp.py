@@ -11,7 +11,7 @@ from tests.conftest import assert_no_orphans, run_cli
 from tests.dist.test_equivalence import train
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(tmp_path_factory):
     return train(tmp_path_factory.mktemp("single"), 1, 115)
 

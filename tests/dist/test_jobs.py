@@ -48,7 +48,7 @@ def summary(out):
     return json.loads((out / "summary.json").read_text())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("jobs") / "clean"
     result = run_cli("run", *JOB, "--out", str(out))

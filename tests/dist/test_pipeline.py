@@ -20,7 +20,7 @@ from tests.dist.test_equivalence import GLOBAL_BATCH, train
 SAMPLES = 115
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(tmp_path_factory):
     return train(tmp_path_factory.mktemp("single"), 1, SAMPLES, drop_last=True)
 

@@ -63,7 +63,7 @@ def moments() -> list[str]:
     return list(MOMENTS) if os.environ.get("SCALETRAIN_STRESS_SEED") else list(QUICK)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("anytime") / "clean"
     result = run_cli("run", *JOB, "--out", str(out))

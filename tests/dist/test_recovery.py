@@ -34,7 +34,7 @@ def summary_of(out):
 COMMON = ["--nproc-per-node", "2", "--max-steps", "20", "--deterministic", "--seed", "3"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def clean_hash(tmp_path_factory):
     clean = tmp_path_factory.mktemp("clean") / "run"
     assert run_cli("run", *COMMON, "--out", str(clean)).returncode == 0

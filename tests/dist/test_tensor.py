@@ -20,7 +20,7 @@ SAMPLES = 115
 TRANSFORMER = {"model": "transformer"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single(tmp_path_factory):
     return train(tmp_path_factory.mktemp("single"), 1, SAMPLES, **TRANSFORMER)
 

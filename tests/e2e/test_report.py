@@ -11,7 +11,7 @@ import shutil
 import pytest
 from PIL import Image
 
-from tests.conftest import run_cli
+from tests.conftest import built_once, run_cli
 
 
 def embedded_images(page: str) -> list[Image.Image]:
@@ -27,11 +27,7 @@ def embedded_images(page: str) -> list[Image.Image]:
     return images
 
 
-@pytest.fixture(scope="module")
-def report_page(tmp_path_factory):
-    """A report of real runs: 1 worker, and 2 workers with rank 1 killed and restarted,
-    evaluated every 4 steps under a cosine schedule."""
-    tmp_path = tmp_path_factory.mktemp("report")
+def build_report(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     common = ["--dataset", "digits", "--max-steps", "16", "--num-threads", "1"]
     assert run_cli("run", *common, "--nproc-per-node", "1", "--out", str(one)).returncode == 0
@@ -43,7 +39,13 @@ def report_page(tmp_path_factory):
     result = run_cli("report", str(one), str(two), "--out", str(out), timeout=120)
     assert result.returncode == 0, result.stderr
     assert str(out) in result.stdout
-    return out
+
+
+@pytest.fixture(scope="session")
+def report_page(tmp_path_factory):
+    """A report of real runs: 1 worker, and 2 workers with rank 1 killed and restarted,
+    evaluated every 4 steps under a cosine schedule (built once per session)."""
+    return built_once(tmp_path_factory, "report", build_report) / "page" / "report.html"
 
 
 def test_report_of_two_world_sizes_and_a_failure(report_page):
