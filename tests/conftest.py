@@ -172,3 +172,10 @@ def built_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None]) 
             build(path)
             (shared / f"{name}.done").touch()
     return path
+
+
+def pytest_collection_modifyitems(items: list[Any]) -> None:
+    """The tests marked ``long`` (a minute or more each) run first. pytest-xdist's workers
+    take tests in this order, so a long test that started last kept one worker busy for a
+    minute or two after the other had run out of tests; short ones fill the end instead."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable

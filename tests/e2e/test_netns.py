@@ -18,6 +18,7 @@ from scaletrain.netns import NetworkLab, parse_rate, sweep_stale, tbf_args, unav
 
 REASON = unavailable_reason()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=f"netns lab unavailable: {REASON}")
+pytestmark = pytest.mark.long  # the multi-host and 16-process runs: 30-100 s each
 
 
 def namespaces() -> set[str]:

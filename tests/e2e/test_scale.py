@@ -19,6 +19,7 @@ from tests.conftest import REPO
 
 REASON = unavailable_reason()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=f"netns lab unavailable: {REASON}")
+pytestmark = pytest.mark.long  # the multi-host and 16-process runs: 30-100 s each
 
 
 def test_sixteen_workers_and_a_fault_through_the_scale_benchmark(tmp_path):

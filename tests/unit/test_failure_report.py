@@ -81,3 +81,30 @@ def test_a_rank_the_agent_stopped_is_not_named_for_the_rank_that_died(tmp_path):
         ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=-signal.SIGTERM,
                        error_file=str(errors / f"rank{rank}.json"))  # fmt: skip
     assert recorder.root_causes(0, take_exit_codes()) == [1, 2]
+
+
+def test_a_rank_whose_store_went_away_is_a_symptom_of_the_rank_that_hosted_it(tmp_path):
+    """Rank 0 (host of the worker store) dies leaving an empty error file while rank 1 is in
+    the group's rendezvous: rank 1's store client raises, and exits before the agent stops
+    it. Rank 0 is the cause, whichever the agent reported."""
+    from scaletrain.launch.agent import _DeathRecorder
+    from scaletrain.metrics.logs import take_exit_codes, tolerate_unreadable_error_files
+
+    tolerate_unreadable_error_files()
+    take_exit_codes()
+    errors = tmp_path / "logs" / "errors"
+    errors.mkdir(parents=True)
+    (errors / "rank0.json").write_text("")
+    store_gone = "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection "
+    store_gone += "was likely closed. Did the remote server shutdown or crash?"
+    (errors / "rank1.json").write_text(json.dumps(
+        {"message": {"message": store_gone, "extraInfo": {"timestamp": "5"}}}
+    ))  # fmt: skip
+    for rank in (0, 1):
+        ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1,
+                       error_file=str(errors / f"rank{rank}.json"))  # fmt: skip
+
+    class Logs:
+        ranks = {0: 0, 1: 1}
+
+    assert _DeathRecorder(tmp_path, Logs()).root_causes(1, take_exit_codes()) == [0]
