@@ -174,8 +174,9 @@ def built_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None]) 
     return path
 
 
-def pytest_collection_modifyitems(items: list[Any]) -> None:
-    """The tests marked ``long`` (a minute or more each) run first. pytest-xdist's workers
-    take tests in this order, so a long test that started last kept one worker busy for a
-    minute or two after the other had run out of tests; short ones fill the end instead."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable
+# A fault test too long for make test's budget (a 2-core machine's CPU is its limit: every
+# process a test starts imports torch, about 1.3 s of a core) runs in every `make stress`
+# round instead, where SCALETRAIN_STRESS_SEED is set.
+stress_only = pytest.mark.skipif(
+    not os.environ.get("SCALETRAIN_STRESS_SEED"), reason="runs in make stress (make test's budget)"
+)

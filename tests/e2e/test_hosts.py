@@ -5,25 +5,20 @@ host powered off mid-run. `make scale-hosts` runs 8 hosts x 4 with a cable cut t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from scaletrain import env
 from scaletrain.netns import unavailable_reason
-from tests.conftest import REPO
+from tests.conftest import REPO, stress_only
 
 REASON = unavailable_reason()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=f"netns lab unavailable: {REASON}")
-in_stress = pytest.mark.skipif(
-    not os.environ.get(env.STRESS_SEED), reason="runs in make stress (84 s: make test's budget)"
-)
 
 
 @needs_lab
-@in_stress
+@stress_only
 def test_sixteen_workers_on_four_hosts_survive_a_power_off(tmp_path):
     """benchmarks/hosts.py small: 4 hosts x 4 workers over shaped links in the netns lab,
     ddp in restart mode; one host powered off mid-run; the job ends on the other three with

@@ -15,10 +15,10 @@ import pytest
 
 from scaletrain.io import read_jsonl
 from scaletrain.netns import NetworkLab, parse_rate, sweep_stale, tbf_args, unavailable_reason
+from tests.conftest import stress_only
 
 REASON = unavailable_reason()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=f"netns lab unavailable: {REASON}")
-pytestmark = pytest.mark.long  # the multi-host and 16-process runs: 30-100 s each
 
 
 def namespaces() -> set[str]:
@@ -135,6 +135,7 @@ def _listeners(lab, host):
 
 
 @needs_lab
+@stress_only  # 64-100 s; every make stress round runs it
 def test_three_hosts_survive_a_dead_host_then_a_cut_cable(tmp_path):
     """ddp on hosts in restart mode, --nnodes 1:3. Hosts 0 and 1 start training; host 2
     joins late, and the world grows to three. Every process of host 2 is SIGKILLed

@@ -1,9 +1,9 @@
 """The scale benchmarks' machinery, small enough for every `make test`: 16 workers on
-sleeping devices (benchmarks/sleeping_device.py) through ddp, then 16 in-place replicas with
-one killed; every sample of every epoch once, and the table that `make scale` prints for
-1 to 32 written with every column. Then 16 in-place replicas on 4 emulated hosts through one
-fault of benchmarks/chaos.py's storm. (16 workers on 4 emulated hosts with one powered off,
-benchmarks/hosts.py, run in `make stress`: tests/e2e/test_hosts.py.)"""
+sleeping devices (benchmarks/sleeping_device.py) through ddp, every sample of every epoch
+once, and the table that `make scale` prints for 1 to 32 written with every column. Then 16
+in-place replicas on 4 emulated hosts through one fault of benchmarks/chaos.py's storm. (16
+workers on 4 emulated hosts with one powered off, benchmarks/hosts.py, run in `make stress`:
+tests/e2e/test_hosts.py.)"""
 
 from __future__ import annotations
 
@@ -19,19 +19,18 @@ from tests.conftest import REPO
 
 REASON = unavailable_reason()
 needs_lab = pytest.mark.skipif(REASON is not None, reason=f"netns lab unavailable: {REASON}")
-pytestmark = pytest.mark.long  # the multi-host and 16-process runs: 30-100 s each
 
 
-def test_sixteen_workers_and_a_fault_through_the_scale_benchmark(tmp_path):
+def test_sixteen_workers_through_the_scale_benchmark(tmp_path):
+    """(Its fault runs, `--fault-worlds`, ran here too, 16 in-place replicas with one killed:
+    the storm below covers in place at 16 with a fault, and make test's CPU budget is spent.)"""
     result = subprocess.run(
         [sys.executable, "benchmarks/scale.py", "--worlds", "16", "--modes", "ddp",
-         "--fault-worlds", "16", "--fault-modes", "inplace", "--kills", "1",
-         "--out", str(tmp_path)],
+         "--fault-worlds", "", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "every floor met" in result.stdout
-    assert "inplace W=16  1 recoveries" in result.stdout, result.stdout
     [row] = list(csv.DictReader((tmp_path / "scale.csv").open()))
     assert row["mode"] == "ddp" and row["W"] == "16"
     for column in ("launch_to_first_step_s", "imports_s", "group_s", "model_s", "step_ms",
