@@ -261,6 +261,9 @@ class InplaceStrategy(Strategy):
         (torchft reconfigures it). This reaches into torchft 0.2's wrapper (its ``_pg``)."""
         self.manager._pg.abort()
 
+    def memory_bytes(self) -> dict[str, int]:
+        return replica_memory(self.module, self.optimizer)
+
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
