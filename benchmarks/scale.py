@@ -21,7 +21,9 @@ file descriptors per process. A figure that grows faster than W between 8 and 32
 Checks (exit status 1 when one fails): every run completes; at 32, ddp with per-worker batch
 2 ends with the weights of one process with batch 64 (within 1e-5); every run trains every
 sample of every epoch exactly once (--log-sample-ids); in place without faults, every step's
-quorum holds every replica (none heals at every step, its gradients never counted).
+quorum holds every replica (none heals at every step, its gradients never counted); the cost
+model, calibrated from the 1-worker ddp run and a probe of this host, predicts the mean step
+of ddp, local_sgd and ps at 8, 16 and 32 within 20% (predict.csv).
 
     python benchmarks/scale.py [--worlds 1,2,4,8,16,32] [--modes ddp,fsdp,...] [--device-ms 2]
 """
@@ -268,6 +270,64 @@ def equivalence(root: Path, device_ms: float) -> float:
     return max((runs[32][k] - runs[1][k]).abs().max().item() for k in runs[1])
 
 
+def mean_step_s(out: Path) -> float:
+    """Rank 0's mean step after the first 3, checkpoint writes left out (the lowest rank that
+    records: a worker under ps). The mean, not the median: local SGD's synchronizing steps
+    are one in H and cost most of the time."""
+    records = read_records(out)
+    first = min(r["rank"] for r in records)
+    mine = [r for r in records if r["rank"] == first and r["step"] > 3]
+    return statistics.mean(r["step_s"] - r["checkpoint_s"] for r in mine)
+
+
+PREDICTED = {"ddp": "ddp", "local_sgd": "local_sgd:4", "ps": "ps"}
+
+
+def check_predictions(root: Path, worlds: list[int], modes: list[str]) -> list[dict[str, Any]]:
+    """The cost model, calibrated from the 1-worker ddp run and a probe of this host at each W
+    (analysis/probe.py: W processes that sleep the device's time, do a step's host work and
+    all-reduce a few KB), predicts the mean step of ddp, local_sgd and ps at 8, 16 and 32:
+    within 20% of the measured."""
+    from scaletrain.analysis import costmodel
+    from scaletrain.analysis.probe import probe_host
+
+    big = [w for w in worlds if w >= 8]
+    wanted = [m for m in PREDICTED if m in modes]
+    if not (root / "ddp-w1" / "summary.json").exists() or not big or not wanted:
+        return []
+    m = costmodel.calibrate_run(root / "ddp-w1")
+    host = probe_host(m["compute_s"] - m["cpu_s"], big)
+    cal = costmodel.Calibration(
+        compute_s=m["compute_s"], batch_size=int(m["batch_size"]), grad_bytes=int(m["grad_bytes"]),
+        latency_s=30e-6, bandwidth_Bps=1.25e9, cores=os.cpu_count() or 1, cpu_s=m["cpu_s"],
+        host=host,
+    )  # fmt: skip
+    print(f"\nthe cost model at scale: calibrated from ddp-w1 ({m['compute_s'] * 1e3:.1f} ms a "
+          f"step, {m['cpu_s'] * 1e3:.2f} ms of it host CPU); the host probed at W: "
+          + ", ".join(f"W={w} all-reduce {c * 1e3:.1f} ms CPU, host work x{f:.2f}"
+                      for w, c, f in host))  # fmt: skip
+    rows = []
+    for mode in wanted:
+        for w in big:
+            out = root / f"{mode}-w{w}"
+            if not (out / "summary.json").exists():
+                continue
+            if mode == "ps":
+                servers = (ps(w) or {})["num_servers"]
+                p = costmodel.predict_ps(cal, w - servers, servers)
+            else:
+                p = costmodel.predict_method(cal, PREDICTED[mode], w)
+            measured = mean_step_s(out)
+            ratio = p.step_s / measured
+            rows.append({"mode": mode, "W": w, "predicted_ms": 1e3 * p.step_s,
+                         "measured_ms": 1e3 * measured, "ratio": ratio})  # fmt: skip
+            within = FLOORS.check(f"{mode} at W={w}: predicted within 20% of measured",
+                                  abs(ratio - 1) <= 0.2)  # fmt: skip
+            print(f"  {mode:>9} W={w:<3} predicted {1e3 * p.step_s:7.1f} ms, measured "
+                  f"{1e3 * measured:7.1f} ms: {ratio:.2f} {within}", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="1,2,4,8,16,32")
@@ -345,6 +405,12 @@ def main() -> None:
                       f"{max(resumed, default=math.nan):.1f} s later at most; goodput "
                       f"{summary.get('goodput') or 0:.0%}; once per epoch: "
                       f"{'yes' if once else 'NO'}", flush=True)  # fmt: skip
+    predicted = check_predictions(root, worlds, args.modes.split(","))
+    if predicted:
+        with (Path(args.out) / "predict.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(predicted[0]))
+            writer.writeheader()
+            writer.writerows(predicted)
     ddp_runs = [
         root / f"ddp-w{w}" for w in worlds if (root / f"ddp-w{w}" / "summary.json").exists()
     ]

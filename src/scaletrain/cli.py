@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument(
         "--cores", type=int, default=0, help="cores the workers share (0: each has its own)"
     )
+    predict.add_argument(
+        "--probe-host", action="store_true",
+        help="with --cores: probe this host with W processes for each W of --workers (their "
+             "all-reduce's CPU, the slowdown of their other work): for devices on a shared host",
+    )  # fmt: skip
     report = sub.add_parser("report", help="write one HTML page with plots of finished runs")
     report.add_argument("run_dirs", nargs="+", help="run directories (with summary.json)")
     report.add_argument(
@@ -189,18 +194,29 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from scaletrain.netns import parse_rate
 
     measured = costmodel.calibrate_run(Path(args.calibrate))
+    worker_counts = parse_list(args.workers, "workers", int)
+    host: tuple[tuple[int, float, float], ...] = ()
+    if args.probe_host:
+        if not args.cores:
+            raise ValueError("--probe-host probes the host the workers share: give --cores")
+        if max(worker_counts) > 256:
+            raise ValueError("--probe-host starts W processes on this host: --workers at most 256")
+        from scaletrain.analysis.probe import probe_host
+
+        device_s = max(measured["compute_s"] - measured["cpu_s"], 0.0)
+        host = probe_host(device_s, [w for w in worker_counts if w > 1])
     cal = costmodel.Calibration(
         compute_s=measured["compute_s"], batch_size=int(measured["batch_size"]),
         grad_bytes=int(measured["grad_bytes"]), latency_s=args.latency_us * 1e-6,
         bandwidth_Bps=parse_rate(args.bandwidth) / 8, overlap=measured["overlap"],
-        cores=args.cores,
+        cores=args.cores, cpu_s=measured["cpu_s"] if args.cores else 0.0, host=host,
     )  # fmt: skip
     table = Table(title=f"predicted at {args.bandwidth}, {args.latency_us:g} us latency",
                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)  # fmt: skip
     for column in ("W", "method", "step ms", "compute ms", "comm ms", "samples/s", "effic."):
         table.add_column(column, no_wrap=True)
     for method in parse_list(args.methods, "methods"):
-        for workers in parse_list(args.workers, "workers", int):
+        for workers in worker_counts:
             p = costmodel.predict_method(cal, method, workers)
             table.add_row(str(p.workers), p.method, f"{p.step_s * 1e3:,.1f}",
                           f"{p.compute_s * 1e3:,.1f}", f"{p.comm_s * 1e3:,.1f}",

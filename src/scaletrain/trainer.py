@@ -152,7 +152,7 @@ class Trainer:
         self.watchdog.enter(step, "starting the step")
         for fault in self.faults:
             fault.before_step(step, rank, restarts)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         phases.mark("first_step")  # once: the first step this process begins
         self.watchdog.enter(step, "planning the step", self.strategy.plan_collective)
         plan = self.plan.next_step(self.progress)
@@ -180,7 +180,7 @@ class Trainer:
         self.progress.samples_trained += plan.global_samples
         checkpoint_s = self.checkpoints.maybe_save()
         self.checkpoint_s += checkpoint_s
-        record = self._record(plan, result, t0, data_s, slowed_s, checkpoint_s)
+        record = self._record(plan, result, (t0, cpu0), data_s, slowed_s, checkpoint_s)
         if lr is not None:
             record["lr"] = lr
         every = self.cfg.train.eval_every
@@ -209,13 +209,15 @@ class Trainer:
         self,
         plan: StepPlan,
         result: StepResult,
-        t0: float,
+        started: tuple[float, float],
         data_s: float,
         slowed_s: float,
         checkpoint_s: float,
     ) -> dict[str, Any]:
         """The step's line of metrics.jsonl: the contract's keys, then the plan's and the
-        strategy's extras. One rank per data-parallel replica reports samples and loss."""
+        strategy's extras. One rank per data-parallel replica reports samples and loss.
+        ``started``: the step's wall clock and this process's CPU clock when it began."""
+        t0, cpu0 = started
         samples = plan.num_samples if result.samples is None else result.samples
         samples = samples if self.strategy.reports_samples else 0
         compute_s, wait_s = result.compute_s + slowed_s, result.wait_s + plan.wait_s
@@ -234,6 +236,9 @@ class Trainer:
             # A rank that only held a zero-weight stand-in sample has no loss of its own.
             "loss": result.loss.item() if samples else None,
             "step_s": time.perf_counter() - t0,
+            # CPU this process spent in the step (every thread): on hosts whose processes
+            # outnumber the cores, this is what the cost model's shared-host term needs.
+            "cpu_s": time.process_time() - cpu0,
             "compute_s": compute_s,
             "comm_s": result.comm_s,
             "wait_s": wait_s,

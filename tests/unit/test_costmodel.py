@@ -37,12 +37,14 @@ def test_calibration_counts_every_micro_batch_of_a_step(tmp_path):
     summary = {"batch_size_per_worker": 16, "grad_accum": 3, "overlap": 0.25,
                "per_rank": [{"memory": {"param_bytes": 4000}}]}  # fmt: skip
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    rows = [{"rank": 0, "step": s, "compute_s": 0.3, "data_s": 0.01} for s in range(1, 7)]
+    rows = [{"rank": 0, "step": s, "compute_s": 0.3, "data_s": 0.01, "cpu_s": 0.05}
+            for s in range(1, 7)]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     measured = costmodel.calibrate_run(tmp_path)
     assert measured["batch_size"] == 48
     assert measured["compute_s"] == pytest.approx(0.31)
     assert (measured["grad_bytes"], measured["overlap"]) == (4000, 0.25)
+    assert measured["cpu_s"] == pytest.approx(0.05)
     c = cal(compute_s=measured["compute_s"], batch_size=measured["batch_size"])
     assert predict_method(c, "ddp", 1).samples_per_s == pytest.approx(48 / 0.31)
 
@@ -68,6 +70,28 @@ def test_shared_host_slows_compute():
     assert costmodel.compute_s(shared, 1) == 0.1
     assert costmodel.compute_s(shared, 2) == pytest.approx(0.12)
     assert costmodel.compute_s(shared, 4) == pytest.approx(0.24)  # 4 workers on 2 cores
+
+
+def test_many_processes_on_few_cores_by_hand():
+    """Devices that compute, 2 cores that run 8 processes' loops: the host's CPU, probed at 8
+    processes (an all-reduce costs one of them 10 ms of CPU; its other host work runs 1.5x
+    slower than alone), bounds the step once the processes' CPU outgrows the cores."""
+    c = cal(compute_s=0.1, cpu_s=0.02, cores=2, grad_bytes=0, host=((8, 0.01, 1.5),))
+    link = 14 * 1e-4  # the ring's 2 (W-1) latencies; no bytes
+    # Synchronous: the devices' 80 ms, then 8 x (30 + 10) ms of host CPU on 2 cores.
+    assert predict_method(c, "ddp", 8).step_s == pytest.approx(0.08 + 0.16 + link)
+    # Local SGD: 3 steps free (8 x 30 ms of CPU on 2 cores outlast a device's 100 ms), then
+    # one synchronous step.
+    synced = 0.08 + 0.16 + link * 4 / 4
+    assert predict_method(c, "local_sgd:4", 8).step_s == pytest.approx((3 * 0.12 + synced) / 4)
+    # 6 workers and 2 servers: a push costs its worker and its server 5 ms each.
+    ps = costmodel.predict_ps(c, 6, 2)
+    assert ps.step_s == pytest.approx(max(0.1 + ps.comm_s, 6 * (0.03 + 0.01) / 2))
+    # One process alone: the device's and the loop's time. No probe of the host: the loops'
+    # CPU alone shares the cores (8 x 20 ms on 2), the all-reduce's is not known.
+    assert predict_method(c, "ddp", 1).step_s == pytest.approx(0.1)
+    unprobed = cal(compute_s=0.1, cpu_s=0.02, cores=2, grad_bytes=0)
+    assert predict_method(unprobed, "ddp", 8).step_s == pytest.approx(0.08 + 0.08 + link)
 
 
 def test_fit_link_recovers_latency_and_bandwidth():

@@ -29,6 +29,24 @@ that many cores: compute then slows by the measured ``colocated_slowdown`` (2 wo
 never synchronize, against 1 alone) and by ``W x threads / cores`` when they oversubscribe it,
 which is what happens on this 2-core machine beyond 2 workers. Noise, stragglers and the
 slowest worker's wait are not modelled.
+
+**Many processes on few cores, compute elsewhere** (``cores`` and ``cpu_s``: the host CPU one
+process spends per step, recorded as ``cpu_s`` in metrics.jsonl; and ``host``, probed with W
+processes on the host (analysis/probe.py): the CPU one of them spends in a step's all-reduce,
+``collective_cpu_s``, and how much slower the rest of its host work runs than in a process
+alone, by which ``cpu_s`` is multiplied). This is the emulation of make scale: 32 processes on
+2 cores whose compute is a device (a sleeping one). A synchronous step has two phases that
+every process runs at the same moment: the device's work (``compute_s - cpu_s``, no host CPU)
+and the host's (the loop, the all-reduce): W processes of ``cpu_s + collective_cpu_s`` each
+share the cores, so ``step = compute_s - cpu_s + max(c, W c / cores) + comm``, c = cpu_s +
+collective_cpu_s. Steps without a collective (local SGD between synchronizations) let the
+processes drift apart, one's host work overlapping another's device work: ``step =
+max(compute_s, W cpu_s / cores)``. A parameter server's processes (W workers, K servers) run
+free the same way, each push costing its worker and its server ``collective_cpu_s / 2`` (a
+point-to-point exchange of the all-reduce's size): ``step = max(compute_s + comm, (W (cpu_s +
+c') + W c') / cores)``, c' = collective_cpu_s / 2. The probe is of the host, not of the job: W
+processes that sleep the job's device time, do a step's worth of small ops and all-reduce a few
+KB.
 """
 
 from __future__ import annotations
@@ -57,6 +75,13 @@ class Calibration:
     # alone (memory bandwidth, caches, the other processes), measured by running 2 workers
     # that never synchronize.
     colocated_slowdown: float = 1.0
+    # Many processes on ``cores`` cores whose compute is a device: the host CPU per step of
+    # one process alone (the loop and the framework, without communication), and the host
+    # probed at several W (analysis/probe.py's probe_host): (W, the CPU one of W processes
+    # spends in a step's all-reduce, the slowdown of its other host work). 0 / empty: not
+    # modelled.
+    cpu_s: float = 0.0
+    host: tuple[tuple[int, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,6 +132,41 @@ def compute_s(cal: Calibration, workers: int) -> float:
     return cal.compute_s * cal.colocated_slowdown * oversubscribed
 
 
+def host_bound(cal: Calibration) -> bool:
+    """The shared-host term applies: processes share ``cores`` and their host CPU is known."""
+    return bool(cal.cores and cal.cpu_s)
+
+
+def _probed(cal: Calibration, processes: int) -> tuple[float, float]:
+    """(collective CPU, host-work slowdown) of the probe at the W nearest ``processes``."""
+    if processes <= 1 or not cal.host:
+        return 0.0, 1.0
+    _, collective, slowdown = min(cal.host, key=lambda p: abs(p[0] - processes))
+    return collective, max(slowdown, 1.0)
+
+
+def host_cpu(cal: Calibration, processes: int) -> float:
+    """One of ``processes`` processes' host CPU per step without communication."""
+    return cal.cpu_s * _probed(cal, processes)[1]
+
+
+def collective_cpu(cal: Calibration, processes: int) -> float:
+    """CPU one of ``processes`` processes spends in a step's all-reduce."""
+    return _probed(cal, processes)[0]
+
+
+def synchronous_step(cal: Calibration, workers: int, comm: float) -> float:
+    """Every process computes on its device, then all run their host work together."""
+    cpu = host_cpu(cal, workers) + collective_cpu(cal, workers)
+    return cal.compute_s - cal.cpu_s + max(cpu, workers * cpu / cal.cores) + comm
+
+
+def free_step(cal: Calibration, processes: int, cpu: float, longest: float) -> float:
+    """Processes that do not wait for each other: each step is its own ``longest`` path, or
+    the host's cores, shared by every process's ``cpu``, whichever is slower."""
+    return max(longest, processes * cpu / cal.cores)
+
+
 def _prediction(method: str, workers: int, cal: Calibration, compute: float,
                 comm_total: float, step: float) -> Prediction:  # fmt: skip
     rate = workers * cal.batch_size / step
@@ -124,6 +184,8 @@ def predict_ddp(cal: Calibration, workers: int, *, ratio: float = 1.0, encode_s:
         comm = allreduce_s(payload, workers, cal)
     encode = encode_s if workers > 1 else 0.0
     step = compute + encode + (1 - cal.overlap) * comm
+    if host_bound(cal) and compressor == "none":
+        step = synchronous_step(cal, workers, (1 - cal.overlap) * comm)
     name = "ddp" if compressor == "none" else f"ddp+{compressor}"
     return _prediction(name, workers, cal, compute, comm + encode, step)
 
@@ -131,7 +193,12 @@ def predict_ddp(cal: Calibration, workers: int, *, ratio: float = 1.0, encode_s:
 def predict_local_sgd(cal: Calibration, workers: int, sync_every: int) -> Prediction:
     compute = compute_s(cal, workers)
     comm = allreduce_s(cal.grad_bytes, workers, cal) / sync_every
-    return _prediction(f"local_sgd H={sync_every}", workers, cal, compute, comm, compute + comm)
+    step = compute + comm
+    if host_bound(cal):  # H-1 steps run free, the H-th synchronizes
+        free = free_step(cal, workers, host_cpu(cal, workers), cal.compute_s)
+        synced = synchronous_step(cal, workers, comm * sync_every)
+        step = ((sync_every - 1) * free + synced) / sync_every
+    return _prediction(f"local_sgd H={sync_every}", workers, cal, compute, comm, step)
 
 
 def predict_ps(cal: Calibration, workers: int, servers: int) -> Prediction:
@@ -139,7 +206,12 @@ def predict_ps(cal: Calibration, workers: int, servers: int) -> Prediction:
     g = cal.grad_bytes
     busiest = max(2 * g, 2 * workers * g / servers)
     comm = 2 * cal.latency_s + busiest / cal.bandwidth_Bps
-    return _prediction(f"ps K={servers}", workers, cal, compute, comm, compute + comm)
+    step = compute + comm
+    if host_bound(cal):
+        processes = workers + servers
+        push = collective_cpu(cal, processes) / 2
+        step = free_step(cal, workers, host_cpu(cal, processes) + 2 * push, cal.compute_s + comm)
+    return _prediction(f"ps K={servers}", workers, cal, compute, comm, step)
 
 
 def predict_pipeline(cal: Calibration, stages: int, microbatches: int) -> Prediction:
@@ -184,6 +256,9 @@ def calibrate_run(run_dir: Path, warmup: int = 3) -> dict[str, float]:
         raise ValueError(f"calibrate: {run_dir}'s summary.json does not say the model's size")
     return {
         "compute_s": statistics.median(r["compute_s"] + r["data_s"] for r in records),
+        # Host CPU per step (records before it was recorded: 0, not modelled). The mean, not
+        # the median: the host has to supply all of it.
+        "cpu_s": statistics.mean(r.get("cpu_s", 0.0) for r in records),
         "batch_size": summary["batch_size_per_worker"] * summary.get("grad_accum", 1),
         "grad_bytes": grad_bytes,
         "overlap": summary.get("overlap") or 0.0,
