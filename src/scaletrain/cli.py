@@ -231,8 +231,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         highlight=False, soft_wrap=True,
     )  # fmt: skip
     console.print(table)
+    shared = (f"the workers share {args.cores} cores (their host CPU per step: "
+              f"{cal.cpu_s * 1e3:.2f} ms alone)" if cal.cores else
+              "every worker has its own compute")  # fmt: skip
     console.print(
-        "assumes: every worker has its own compute and a link at the bandwidth; ring "
+        f"assumes: {shared} and a link at the bandwidth; ring "
         "all-reduce; no stragglers or noise; ps is synchronous with the busiest server link as "
         "its bound; see scaletrain/analysis/costmodel.py for every formula",
         highlight=False, soft_wrap=True,

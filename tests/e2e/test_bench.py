@@ -50,6 +50,11 @@ def test_sweep_table_csv_and_a_point_that_cannot_run(tmp_path):
         ["8", "ddp"], ["1024", "ddp"], ["8", "local_sgd"], ["1024", "local_sgd"],
         ["8", "ps"], ["1024", "ps"]]  # fmt: skip
     assert "assumes:" in result.stdout
+    # Probing the host the workers share needs to know it is shared.
+    result = run_cli("predict", "--calibrate", str(out / "ddp-none-loopback-w1"),
+                     "--workers", "8", "--probe-host", timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert "error: --probe-host probes the host the workers share: give --cores" in result.stderr
 
 
 def test_bad_sweep_values_are_refused(tmp_path):

@@ -126,7 +126,7 @@ def allgather_s(nbytes: float, workers: int, cal: Calibration) -> float:
 def compute_s(cal: Calibration, workers: int) -> float:
     """One worker's compute; on a shared host (``cores``) slowed by co-location, and by
     oversubscription when the workers' threads outnumber the cores."""
-    if not cal.cores or workers <= 1:
+    if not cal.cores or workers <= 1 or host_bound(cal):  # host-bound: the step has the cores
         return cal.compute_s
     oversubscribed = max(1.0, workers * cal.threads_per_worker / cal.cores)
     return cal.compute_s * cal.colocated_slowdown * oversubscribed
