@@ -30,7 +30,7 @@ TEST_WORKERS ?= 2
 
 test: install
 	bash scripts/install-chromium.sh
-	$(BIN)/pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
+	$(BIN)/pytest --durations=25 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
 
 # The fault tests ROUNDS times (default 20), new random draws each round; pass counts per test.
 stress: install
