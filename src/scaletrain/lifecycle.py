@@ -40,7 +40,7 @@ from scaletrain.fault.checkpoint import (
 from scaletrain.fault.preempt import preempt_path
 from scaletrain.fault.recoveries import run_recoveries
 from scaletrain.fault.recovery import Progress, resume
-from scaletrain.fault.watchdog import NullWatchdog, Watchdog
+from scaletrain.fault.watchdog import NullWatchdog, SelfWatchdog, Watchdog
 from scaletrain.io import atomic_torch_save, atomic_write_json
 from scaletrain.loop import Loop
 from scaletrain.metrics.summary import RankTotals, SummaryParts, params_sha256, write_summary
@@ -238,6 +238,12 @@ class GroupWorld(World):
 
 class FleetWorld(World):
     def watchdog(self, loop: Loop) -> NullWatchdog:
+        """In place, each replica watches itself (a stuck one ends, is restarted and heals);
+        a parameter server's workers have none (their servers drop silent ones)."""
+        cfg = loop.cfg
+        if cfg.fault.recovery == "inplace" and cfg.train.strategy != "ps":
+            timeout_s = cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2
+            return SelfWatchdog(rank=loop.ctx.rank, timeout_s=timeout_s)
         return NullWatchdog()
 
     def resume(self, loop: Loop) -> Progress | None:

@@ -62,7 +62,6 @@ FLAGS: dict[str, dict[str, Any]] = {
 REFUSED = {
     ("inplace", "checkpoint-every"): "nothing is rolled back: a replica heals from a peer",
     ("inplace", "checkpoint-async"): "no checkpoints",
-    ("inplace", "inject hang"): "measured: nothing ended the silent process",
     ("inplace", "inject corrupt"): "no checkpoints",
     ("ps", "checkpoint-async"): "the servers always write in the background",
     ("ps", "hang-timeout"): "--barrier-timeout-s and --timeout-s drop silent peers",

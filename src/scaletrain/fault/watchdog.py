@@ -138,6 +138,59 @@ class NullWatchdog:
         return None
 
 
+class SelfWatchdog(NullWatchdog):
+    """A replica's own watchdog, where the launcher supervises each process on its own (in-place
+    replicas): no store of the group's heartbeats, no group to diagnose. A process whose mark
+    has not moved for ``timeout_s`` outside any collective is the one stuck (waiting inside a
+    collective, it is a peer's fault: the collective's own timeout, the same value, ends that
+    wait and its replica goes on without the peer); it names itself in its log and exits
+    with HANG_EXIT_CODE, its launcher restarts it and it heals from a live peer. Inside a
+    collective it waits three times as long before ending itself, in case that timeout never
+    fires."""
+
+    def __init__(self, *, rank: int, timeout_s: float) -> None:
+        self.rank, self.timeout_s = rank, timeout_s
+        self._beat = Beat(0, "starting", "", time.time())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="scaletrain-watchdog")
+
+    def enter(self, step: int, phase: str, collective: str = "") -> None:
+        self._beat = Beat(step, phase, collective, time.time())
+
+    def start(self) -> SelfWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        interval = BEAT_INTERVAL_S / 4
+        checked, grace_until = time.monotonic(), 0.0
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            if now - checked > 4 * interval + 1.0:
+                # This thread did not run for a while: the whole process was frozen (SIGSTOP,
+                # a suspended VM), not its loop alone. Give the loop a full timeout to move.
+                grace_until = now + self.timeout_s
+            checked = now
+            beat = self._beat  # read once: the trainer may move on while we look
+            limit = self.timeout_s * (3 if beat.collective else 1)
+            stalled = time.time() - beat.since
+            if stalled > limit and now >= grace_until:
+                where = (f"waiting in the {beat.collective}" if beat.collective
+                         else "outside any collective")  # fmt: skip
+                log.error(
+                    "hang detected: rank %d has been in '%s' of step %d for %.0f s, %s "
+                    "(--hang-timeout-s %g): it leaves the quorum, and its launcher restarts it",
+                    self.rank, beat.phase, beat.step, stalled, where, self.timeout_s,
+                )  # fmt: skip
+                for stream in (sys.stdout, sys.stderr):
+                    stream.flush()
+                os._exit(HANG_EXIT_CODE)
+
+
 class Watchdog(NullWatchdog):
     def __init__(
         self, *, rank: int, world_size: int, attempt: int, timeout_s: float, run_dir: Path

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 
 def describe_exit(code: int) -> str:
+    from scaletrain.fault.watchdog import HANG_EXIT_CODE
+
+    if code == HANG_EXIT_CODE:
+        return "hang: ended by its watchdog after --hang-timeout-s without progress"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

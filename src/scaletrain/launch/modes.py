@@ -3,8 +3,8 @@
 - ``restart``: torch's elastic agent; the group restarts from the newest checkpoint when a
   worker dies or hangs (agent.py). Every flag applies.
 - ``inplace`` (``--recovery inplace``): torchft; survivors go on, a restarted replica heals
-  from a live peer (inplace.py, strategies/inplace.py). Nothing is rolled back, so there are
-  no checkpoints.
+  from a live peer (inplace.py, strategies/inplace.py); a stuck one is ended by its own
+  watchdog and restarted. Nothing is rolled back, so there are no checkpoints.
 - ``ps`` (``--strategy ps``): parameter servers and workers (ps.py, strategies/param_server/).
 
 All three run the same training loop in their workers (trainer.py); launch/__init__.py
@@ -21,8 +21,9 @@ from __future__ import annotations
 from scaletrain.config import RunConfig, parse_nnodes
 
 MODES = ("restart", "inplace", "ps")
-# Measured: a hang injected under either mode left the job running until it was killed (the
-# survivors finish, the silent process never ends). Only the restart mode's watchdog ends it.
+# Measured: a hang injected under ps left the job running until it was killed (the survivors
+# finish, the silent process never ends). The restart mode's watchdog ends it, and in place
+# each replica's own (fault/watchdog.py's SelfWatchdog).
 _NO_HANG_WATCHDOG = (
     "inject: under {name} nothing ends a silent worker process, so a hang would keep the job "
     "from ever finishing; inject hang without {name} (the restart mode's watchdog ends it)"
@@ -68,8 +69,6 @@ def refusals(cfg: RunConfig) -> list[str]:
             out.append(f"checkpoint_async: {name} keeps no checkpoints; drop --checkpoint-async")
         if "corrupt-checkpoint" in faults:
             out.append(f"inject: {name} keeps no checkpoints to corrupt")
-        if "hang" in faults:
-            out.append(_NO_HANG_WATCHDOG.format(name=name))
     if mode == "ps":
         name = "--strategy ps"
         if cfg.fault.checkpoint_auto:
