@@ -62,6 +62,9 @@ FAULT_TESTS = [
     "tests/dist/test_flag_space.py",  # SCALETRAIN_FLAG_DRAWS trained a round
     "tests/e2e/test_netns.py",
     "tests/e2e/test_hosts.py",  # 4 hosts x 4 workers, one powered off: stress rounds only
+    # A replica stuck in place, ended by its own watchdog, restarted and healed.
+    "tests/dist/test_modes.py::test_every_cell_works_or_is_refused_before_start"
+    "[inject hang-inplace]",
 ]
 # Tests in those files that inject no fault: accuracy under each optimizer and consistency
 # (the four async ones are a third of a round's time), equalities and input checks. They run in

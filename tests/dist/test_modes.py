@@ -259,9 +259,9 @@ def test_every_cell_works_or_is_refused_before_start(root, mode, flag):
 def test_a_refused_flag_is_the_users_mistake_and_nothing_starts(tmp_path):
     out = tmp_path / "run"
     result = run_cli("run", "--recovery", "inplace", "--checkpoint-every", "5",
-                     "--inject", "hang:rank=1:step=3", "--out", str(out))  # fmt: skip
+                     "--inject", "corrupt-checkpoint:step=3", "--out", str(out))  # fmt: skip
     assert result.returncode == 2
     assert "error:" in result.stderr and "--recovery inplace" in result.stderr
-    assert "checkpoint_every" in result.stderr and "hang" in result.stderr  # both, at once
+    assert "checkpoint_every" in result.stderr and "corrupt" in result.stderr  # both, at once
     assert "Traceback" not in result.stderr
     assert not out.exists()
