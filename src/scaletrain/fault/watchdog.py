@@ -158,6 +158,7 @@ class SelfWatchdog(NullWatchdog):
         self._beat = Beat(step, phase, collective, time.time())
 
     def start(self) -> SelfWatchdog:
+        self.enter(0, "starting")  # the clock starts with the loop, not with the set-up
         self._thread.start()
         return self
 
