@@ -249,7 +249,7 @@ def test_ssp_holds_a_worker_that_is_too_far_ahead_until_the_slowest_catches_up(t
     # a's two (staleness 0, and as its header says), b's (2).
     stale_a = int(head[tp.STALENESS])
     assert params.tolist() == pytest.approx([1 - 1 - 1 / (1 + stale_a) - 1 / 3] * 2)
-    assert int(head[tp.LR_PPM]) == round(1e6 / (1 + stale_a))
+    assert tp.bits_float(int(head[tp.LR_FACTOR])) == 1 / (1 + stale_a)  # exactly
     store.set("ps/finish", "1")
 
 

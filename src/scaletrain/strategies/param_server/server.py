@@ -570,7 +570,7 @@ class ShardServer:
             lease_epoch=lease.epoch if lease else 0,
             lease_step=lease.step if lease else 0,
             committed=int(committed),
-            lr_ppm=round(lr_factor * 1e6),
+            lr_factor=tp.float_bits(lr_factor),
             clock=self.clocks.get(worker, 0),
         )
         out = [head, self.param.detach().clone()]

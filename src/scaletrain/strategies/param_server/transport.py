@@ -46,6 +46,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import struct
 import threading
 from collections.abc import Sequence
 from enum import IntEnum
@@ -89,11 +90,22 @@ class Status(IntEnum):
 # (including this one); in a HELLO the clock it has, or -1 when it has none yet (see
 # consistency.join_clock).
 KIND, STEP, VERSION_ON, NUM_SAMPLES, WORKER, ATTEMPT, CLOCK = range(7)
-# Server -> worker header fields. LR_PPM: the factor of --lr the server applied this push
-# with (the schedule's, the staleness rule's), in millionths. REPLY_CLOCK: the clock the
-# server holds the worker by (a new worker learns its own from server 0's reply to HELLO).
-(STATUS, VERSION, STALENESS, HELD_US, LEASE_LEN, LEASE_EPOCH, LEASE_STEP, COMMITTED, LR_PPM,
+# Server -> worker header fields. LR_FACTOR: the factor of --lr the server applied this push
+# with (the schedule's, the staleness rule's), the float64's bits as an int64 (float_bits:
+# exact; millionths, as it was, made the recorded lr of a push 10 updates stale differ from
+# the applied one by 5 parts in a million). REPLY_CLOCK: the clock the server holds the
+# worker by (a new worker learns its own from server 0's reply to HELLO).
+(STATUS, VERSION, STALENESS, HELD_US, LEASE_LEN, LEASE_EPOCH, LEASE_STEP, COMMITTED, LR_FACTOR,
  REPLY_CLOCK) = range(10)  # fmt: skip
+
+
+def float_bits(value: float) -> int:
+    """A float64 as the int64 of the same bits (a header field holds it exactly)."""
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
+def bits_float(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
 
 
 def header(**fields: int) -> torch.Tensor:
@@ -111,7 +123,7 @@ def reply_header(**fields: int) -> torch.Tensor:
     names = {
         "status": STATUS, "version": VERSION, "staleness": STALENESS, "held_us": HELD_US,
         "lease_len": LEASE_LEN, "lease_epoch": LEASE_EPOCH, "lease_step": LEASE_STEP,
-        "committed": COMMITTED, "lr_ppm": LR_PPM, "clock": REPLY_CLOCK,
+        "committed": COMMITTED, "lr_factor": LR_FACTOR, "clock": REPLY_CLOCK,
     }  # fmt: skip
     t = torch.zeros(HEADER, dtype=torch.int64)
     for name, value in fields.items():

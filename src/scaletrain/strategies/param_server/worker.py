@@ -314,7 +314,7 @@ class PSWorkerStrategy(Strategy):
             next_step = self.lease[1] if self.lease else 0
             for k in lost:  # a restarted server: join its new incarnation
                 self._hello(k, next_step)
-        factor = int(heads[0][tp.LR_PPM]) / 1e6 if 0 in heads else None
+        factor = tp.bits_float(int(heads[0][tp.LR_FACTOR])) if 0 in heads else None
         return StepResult(
             loss=loss if loss is not None else torch.zeros(()),
             compute_s=compute_s,
