@@ -75,6 +75,7 @@ class Trainer:
         self.watchdog = self.world.watchdog(self)
         self.resuming = False
         self.rates = RateMeter() if cfg.train.balance == "speed" else None
+        self.warmed_up = False  # this process trained a step (--balance speed meters the next)
         self.smoothed_rates: list[float] | None = None
 
     # -- the training state: what a checkpoint holds and a healing replica copies ---------
@@ -263,7 +264,12 @@ class Trainer:
         """--balance speed: this rank's busy time (loading, computing, not waiting); every
         --balance-every steps the ranks' rates are gathered and the split re-planned."""
         assert self.rates is not None
-        self.rates.add(plan.num_samples, busy_s)
+        # The first step a process trains carries its warm-up (first allocations, the first
+        # collective's connections): tens of milliseconds that can hide a rank 4x slower
+        # when a short run has one window, so it is not a measure of the rank's speed.
+        if self.warmed_up:
+            self.rates.add(plan.num_samples, busy_s)
+        self.warmed_up = True
         if self.progress.step % self.cfg.train.balance_every:
             return
         rate = self.rates.take()

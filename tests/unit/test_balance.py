@@ -41,8 +41,9 @@ def test_shares_follow_the_rates_and_wait_out_noise():
     assert again is None
     # Even rates from the start: nothing to change.
     assert next_shares(None, [100.0, 102.0], None)[0] is None
-    # A rank that did nothing (no rate) keeps the current plan.
-    assert next_shares(shares, [300.0, 0.0, 300.0], None)[0] is None
+    # A rank that measured nothing (its warm-up step) keeps the plan and the smoothed rates.
+    assert next_shares(shares, [300.0, 0.0, 300.0], smoothed) == (None, smoothed)
+    assert next_shares(None, [0.0, 0.0], None) == (None, [])
 
 
 def test_no_rank_is_starved():

@@ -46,14 +46,14 @@ def next_shares(
     """(the shares to use, None to keep ``current``; the smoothed rates). Pure: the same on
     every rank for the same gathered ``rates``."""
     world = len(rates)
+    if min(rates) <= 0:  # a rank measured nothing this window (its warm-up step): no news
+        return None, list(smoothed or [])
     if smoothed is None or len(smoothed) != world:
         smoothed = list(rates)
     else:
         smoothed = [
             SMOOTHING * r + (1 - SMOOTHING) * s for r, s in zip(rates, smoothed, strict=True)
         ]
-    if min(smoothed) <= 0:
-        return None, smoothed
     target = floored([r / sum(smoothed) for r in smoothed], MIN_SHARE / world)
     now = [x / sum(current) for x in current] if current else [1.0 / world] * world
     moved = max(abs(t - c) / c for t, c in zip(target, now, strict=True))
