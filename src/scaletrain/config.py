@@ -544,6 +544,12 @@ class RunConfig:
         micro-batches of --batch-size."""
         return self.train.batch_size * self.train.grad_accum
 
+    @property
+    def hang_timeout_s(self) -> float:
+        """How long a rank may make no progress before it counts as hung: --hang-timeout-s,
+        else half the collective timeout (so the watchdog names the rank before gloo fails)."""
+        return self.fault.hang_timeout_s or self.launch.timeout_s / 2
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -123,7 +123,7 @@ class GroupWorld(World):
             rank=ctx.rank,
             world_size=ctx.world_size,
             attempt=ctx.attempt,
-            timeout_s=cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2,
+            timeout_s=cfg.hang_timeout_s,
             run_dir=loop.run_dir,
         )
 
@@ -241,9 +241,8 @@ class FleetWorld(World):
         """In place, each replica watches itself (a stuck one ends, is restarted and heals);
         a parameter server's workers have none (their servers drop silent ones)."""
         cfg = loop.cfg
-        if cfg.fault.recovery == "inplace" and cfg.train.strategy != "ps":
-            timeout_s = cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2
-            return SelfWatchdog(rank=loop.ctx.rank, timeout_s=timeout_s)
+        if cfg.fault.recovery == "inplace" and cfg.train.strategy != "ps":  # launch's mode_of
+            return SelfWatchdog(rank=loop.ctx.rank, timeout_s=loop.cfg.hang_timeout_s)
         return NullWatchdog()
 
     def resume(self, loop: Loop) -> Progress | None:

@@ -153,7 +153,7 @@ class InplaceStrategy(Strategy):
         self.module, self.loss_fn = model, loss_fn
         self.optimizer = build_optimizer(model.parameters())
         self.params = [p for p in model.parameters() if p.requires_grad]
-        timeout = timedelta(seconds=cfg.fault.hang_timeout_s or cfg.launch.timeout_s / 2)
+        timeout = timedelta(seconds=cfg.hang_timeout_s)
         # This replica's own store (a group of one): torchft keeps its process-group
         # rendezvous keys there.
         addr = os.environ.get(env.ADDR, "127.0.0.1")
