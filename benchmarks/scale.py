@@ -289,23 +289,30 @@ def check_predictions(root: Path, worlds: list[int], modes: list[str]) -> list[d
     all-reduce a few KB), predicts the mean step of ddp, local_sgd and ps at 8, 16 and 32:
     within 20% of the measured."""
     from scaletrain.analysis import costmodel
-    from scaletrain.analysis.probe import probe_host
+    from scaletrain.analysis.probe import probe_host, probe_ps
 
     big = [w for w in worlds if w >= 8]
     wanted = [m for m in PREDICTED if m in modes]
     if not (root / "ddp-w1" / "summary.json").exists() or not big or not wanted:
         return []
     m = costmodel.calibrate_run(root / "ddp-w1")
-    host = probe_host(m["compute_s"] - m["cpu_s"], big)
+    device_s = m["compute_s"] - m["cpu_s"]
+    host = probe_host(device_s, big)
+    # ps runs bsp here: its rounds probed as such, with the servers make scale gives each W.
+    ps_host = probe_ps(device_s, [(w, (ps(w) or {})["num_servers"]) for w in big]) \
+        if "ps" in wanted else ()  # fmt: skip
     cal = costmodel.Calibration(
         compute_s=m["compute_s"], batch_size=int(m["batch_size"]), grad_bytes=int(m["grad_bytes"]),
         latency_s=30e-6, bandwidth_Bps=1.25e9, cores=os.cpu_count() or 1, cpu_s=m["cpu_s"],
-        host=host,
+        host=host, ps_host=ps_host,
     )  # fmt: skip
     print(f"\nthe cost model at scale: calibrated from ddp-w1 ({m['compute_s'] * 1e3:.1f} ms a "
           f"step, {m['cpu_s'] * 1e3:.2f} ms of it host CPU); the host probed at W: "
           + ", ".join(f"W={w} all-reduce {c * 1e3:.1f} ms CPU, host work x{f:.2f}"
-                      for w, c, f in host))  # fmt: skip
+                      for w, c, f in host)
+          + "".join(f"; ps W={w} K={k}: push and pull {x * 1e3:.2f} ms CPU a worker, "
+                    f"{y * 1e3:.2f} ms a push a server, host work x{f:.2f}"
+                    for w, k, x, y, f in ps_host))  # fmt: skip
     rows = []
     for mode in wanted:
         for w in big:

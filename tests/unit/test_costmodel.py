@@ -94,6 +94,22 @@ def test_many_processes_on_few_cores_by_hand():
     assert predict_method(unprobed, "ddp", 8).step_s == pytest.approx(0.08 + 0.08 + link)
 
 
+def test_a_bsp_parameter_server_on_few_cores_by_hand():
+    """6 workers and 2 servers on 2 cores, their bsp rounds probed (a worker's push and pull
+    cost it 4 ms of CPU, a server 3 ms a push; host work 1.5x slower): each round the devices'
+    80 ms, then 6 workers' 34 ms and 12 pushes' 3 ms of CPU on 2 cores; a probe of another
+    shape is not used for this one."""
+    probed = ((8, 2, 0.004, 0.003, 1.5), (8, 1, 1.0, 1.0, 1.0))
+    c = cal(compute_s=0.1, cpu_s=0.02, cores=2, grad_bytes=0, ps_host=probed)
+    ps = costmodel.predict_ps(c, 6, 2)
+    assert ps.step_s == pytest.approx(0.08 + (6 * 0.034 + 12 * 0.003) / 2 + ps.comm_s)
+    # One worker whose own host work outlasts the cores' share: its path bounds the round.
+    alone = cal(compute_s=0.1, cpu_s=0.02, cores=8, grad_bytes=0, ps_host=probed)
+    assert costmodel.predict_ps(alone, 1, 2).step_s == pytest.approx(
+        0.08 + 0.034 + costmodel.predict_ps(alone, 1, 2).comm_s
+    )
+
+
 def test_fit_link_recovers_latency_and_bandwidth():
     lat, bw, w = 50e-6, 2.5e8, 2
     sizes = [4096, 1 << 20, 8 << 20]

@@ -44,7 +44,12 @@ processes drift apart, one's host work overlapping another's device work: ``step
 max(compute_s, W cpu_s / cores)``. A parameter server's processes (W workers, K servers) run
 free the same way, each push costing its worker and its server ``collective_cpu_s / 2`` (a
 point-to-point exchange of the all-reduce's size): ``step = max(compute_s + comm, (W (cpu_s +
-c') + W c') / cores)``, c' = collective_cpu_s / 2. The probe is of the host, not of the job: W
+c') + W c') / cores)``, c' = collective_cpu_s / 2. A bsp parameter server probed as such
+(``ps_host``: W workers' and K servers' rounds over its own links, probe.py's probe_ps) is
+synchronous instead: every round the devices work, then the workers' host work and pushes
+and the servers' handling of every push share the cores: ``step = compute_s - cpu_s +
+max(w, (W w + W K s) / cores) + comm``, w = cpu_s x slowdown + a worker's push-and-pull CPU,
+s = a server's CPU per push. The probe is of the host, not of the job: W
 processes that sleep the job's device time, do a step's worth of small ops and all-reduce a few
 KB.
 """
@@ -82,6 +87,10 @@ class Calibration:
     # modelled.
     cpu_s: float = 0.0
     host: tuple[tuple[int, float, float], ...] = ()
+    # A bsp parameter server's rounds probed on the host (probe.py's probe_ps): (W processes,
+    # K of them servers, the CPU a worker spends in a round's push and pull, the CPU a server
+    # spends per push, the slowdown of a worker's other host work).
+    ps_host: tuple[tuple[int, int, float, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -207,11 +216,25 @@ def predict_ps(cal: Calibration, workers: int, servers: int) -> Prediction:
     busiest = max(2 * g, 2 * workers * g / servers)
     comm = 2 * cal.latency_s + busiest / cal.bandwidth_Bps
     step = compute + comm
-    if host_bound(cal):
+    if host_bound(cal) and cal.ps_host:  # bsp rounds on the shared cores
+        step = bsp_round(cal, workers, servers, comm)
+    elif host_bound(cal):
         processes = workers + servers
         push = collective_cpu(cal, processes) / 2
         step = free_step(cal, workers, host_cpu(cal, processes) + 2 * push, cal.compute_s + comm)
     return _prediction(f"ps K={servers}", workers, cal, compute, comm, step)
+
+
+def bsp_round(cal: Calibration, workers: int, servers: int, comm: float) -> float:
+    """A bsp round on a shared host: the devices' work, then every worker's host work and
+    push at once while the servers serve every push (each worker pushes to every server), all
+    on the same cores; the round ends with the last reply."""
+    _, _, exchange, per_push, slowdown = min(
+        cal.ps_host, key=lambda p: abs(p[0] - p[1] - workers) + abs(p[1] - servers)
+    )
+    worker = cal.cpu_s * max(slowdown, 1.0) + exchange
+    total = workers * worker + workers * servers * per_push
+    return cal.compute_s - cal.cpu_s + max(worker, total / cal.cores) + comm
 
 
 def predict_pipeline(cal: Calibration, stages: int, microbatches: int) -> Prediction:

@@ -16,6 +16,11 @@ term; the work's CPU grows as more processes share the cores). The processes do 
 together, and gloo's threads hand each message over through the kernel (epoll, futexes): this
 costs about a millisecond of CPU per all-reduce between 2 processes on this 2-core machine, far
 more than the bytes do.
+
+    python -m scaletrain.analysis.probe RANK WORLD HOST:PORT ps SLEEP_S SERVERS
+
+the same for a bsp parameter server's rounds (``probe_ps``): the CPU a worker spends in a
+round's push and pull, and a server per push, over the parameter server's own links.
 """
 
 from __future__ import annotations
@@ -26,21 +31,51 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 SIZES = (4_096, 65_536, 1_048_576, 8_388_608)
 
 
-def measure(rank: int, world: int, endpoint: str, sizes: list[int], repeats: int = 15) -> None:
+def _store(rank: int, world: int, endpoint: str) -> Any:
+    """The probe's TCPStore (rank 0 serves it)."""
     import datetime
 
-    import torch
     import torch.distributed as dist
 
     host, port = endpoint.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), world, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    return dist.TCPStore(host, int(port), world, is_master=rank == 0,
+                         timeout=datetime.timedelta(seconds=60))  # fmt: skip
+
+
+def _group(rank: int, world: int, endpoint: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=_store(rank, world, endpoint), rank=rank,
+                            world_size=world)  # fmt: skip
+
+
+def _host_work() -> Callable[[], None]:
+    """A step's host work: small ops, the interpreter between them (one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    layer = torch.nn.Linear(32, 32)
+    inputs = torch.ones(2, 32)
+
+    def work() -> None:
+        for _ in range(20):
+            layer(inputs).sum().backward()
+
+    return work
+
+
+def measure(rank: int, world: int, endpoint: str, sizes: list[int], repeats: int = 15) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _group(rank, world, endpoint)
     results = {}
     for size in sizes:
         tensor = torch.ones(size // 4)
@@ -59,27 +94,19 @@ def measure(rank: int, world: int, endpoint: str, sizes: list[int], repeats: int
 
 
 def measure_cpu(rank: int, world: int, endpoint: str, sleep_s: float, repeats: int = 40) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    host, port = endpoint.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), world, is_master=rank == 0,
-                          timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    work_once = _host_work()
+    _group(rank, world, endpoint)
     tensor = torch.ones(1024)
-    layer = torch.nn.Linear(32, 32)
-    inputs = torch.ones(2, 32)
     for _ in range(3):
         dist.all_reduce(tensor)
     cpu, work = [], []
     for _ in range(repeats):
         time.sleep(sleep_s)
         start = time.process_time()
-        for _ in range(20):  # a step's host work: small ops, the interpreter between them
-            layer(inputs).sum().backward()
+        work_once()
         middle = time.process_time()
         dist.all_reduce(tensor)
         cpu.append(time.process_time() - middle)
@@ -91,15 +118,132 @@ def measure_cpu(rank: int, world: int, endpoint: str, sleep_s: float, repeats: i
               flush=True)  # fmt: skip
 
 
+def measure_ps(
+    rank: int, world: int, endpoint: str, sleep_s: float, servers: int, repeats: int = 40
+) -> None:
+    """A bsp parameter server's rounds between ``servers`` server processes (ranks 0..K-1)
+    and the other ranks as workers, over the parameter server's own links (transport.Link:
+    a two-rank gloo group per worker-server pair, each wait in a thread of its own): each
+    worker sleeps ``sleep_s``, does a step's host work, pushes every server a slice of 4 KB
+    and takes its reply; a server replies to a round's pushes once it has all of them. Rank 0
+    prints the mean CPU a worker spends in a round's exchange, the median of its host work,
+    and the CPU a server spends per push served."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from scaletrain.strategies.param_server import transport as tp
+
+    work_once = _host_work()
+    store = _store(rank, world, endpoint)
+    workers = list(range(servers, world))
+    size, rounds = 1024 // servers, repeats + 3  # 3 rounds of warm-up
+
+    def link(server: int, worker: int) -> tp.Link:
+        client = dist.TCPStore(store.host, store.port, is_master=False)
+        side = rank == server
+        # 300 s: 32 processes importing torch on 2 cores take most of a minute to get here.
+        return tp.Link(client, f"probe/s{server}/w{worker}", server_side=side, timeout_s=300.0,
+                       peer=(worker if side else server, 0))  # fmt: skip
+
+    if rank < servers:
+        param, lock = torch.zeros(size), threading.Lock()
+        round_done = threading.Barrier(len(workers) + 1)  # every worker's thread and the clock
+
+        def serve(worker: int) -> None:
+            try:
+                serve_rounds(worker)
+            except BaseException:
+                round_done.abort()  # the clock and the other threads fail too, not wait
+                raise
+
+        def serve_rounds(worker: int) -> None:
+            pair = link(rank, worker)
+            round_done.wait()  # connected
+            head, grad = torch.zeros(tp.HEADER, dtype=torch.int64), torch.zeros(size)
+            for _ in range(rounds):
+                pair.recv(head)
+                pair.recv(grad, first_tag=1)
+                with lock:
+                    param.add_(grad, alpha=-0.01)
+                round_done.wait()  # bsp: the round's replies go once every push is in
+                pair.send(tp.reply_header(version=1), param)
+            pair.close()
+
+        threads = [threading.Thread(target=serve, args=(w,), daemon=True) for w in workers]
+        for thread in threads:
+            thread.start()
+        round_done.wait()
+        start = time.process_time()
+        for _ in range(rounds):
+            round_done.wait()
+        for thread in threads:
+            thread.join()
+        result = {"server_cpu_s": (time.process_time() - start) / (rounds * len(workers))}
+    else:
+        pairs = [link(k, rank) for k in range(servers)]
+        head, grad = tp.header(kind=1), torch.ones(size)
+        replies = [(torch.zeros(tp.HEADER, dtype=torch.int64), torch.zeros(size)) for _ in pairs]
+
+        def exchange() -> None:
+            pending = [
+                (p, p.isend(head, grad) + p.irecv(*r)) for p, r in zip(pairs, replies, strict=True)
+            ]
+            for pair, works in pending:
+                pair.wait(works)
+
+        for _ in range(3):
+            exchange()
+        cpu, work = [], []
+        for _ in range(repeats):
+            time.sleep(sleep_s)
+            begin = time.process_time()
+            work_once()
+            middle = time.process_time()
+            exchange()
+            cpu.append(time.process_time() - middle)
+            work.append(middle - begin)
+        for pair in pairs:
+            pair.close()
+        result = {"cpu_s": statistics.mean(cpu), "work_s": statistics.median(work)}
+    store.set(f"probe/result/{rank}", json.dumps(result))
+    if rank == 0:
+        keys = [f"probe/result/{r}" for r in range(world)]
+        store.wait(keys)
+        each = [json.loads(store.get(k)) for k in keys]
+        print(json.dumps({
+            "cpu_s": statistics.mean(e["cpu_s"] for e in each[servers:]),
+            "work_s": statistics.median(e["work_s"] for e in each[servers:]),
+            "server_cpu_s": statistics.mean(e["server_cpu_s"] for e in each[:servers]),
+        }), flush=True)  # fmt: skip
+        store.wait([f"probe/done/{r}" for r in range(1, world)])  # keep serving the store
+    else:
+        store.set(f"probe/done/{rank}", "1")
+    # Out at once: tearing down the links' gloo groups at interpreter exit aborted a worker
+    # now and then ("terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def _command(rank: int, world: int, endpoint: str, args: tuple[Any, ...]) -> list[str]:
     return [sys.executable, "-m", "scaletrain.analysis.probe", str(rank), str(world), endpoint,
             *map(str, args)]  # fmt: skip
 
 
 def _output(procs: list[subprocess.Popen[str]]) -> dict[str, float]:
-    outputs = [p.communicate(timeout=300) for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"all-reduce probe failed: {outputs[0][1][-2000:]}")
+    """Rank 0's JSON line. Every process's pipes are read at once: 32 processes' warnings
+    fill a pipe, and a rank blocked writing one held rank 0, which waits for every rank."""
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            outputs = list(pool.map(lambda p: p.communicate(timeout=300), procs))
+    finally:
+        for p in procs:
+            p.kill()  # none left behind by a timeout
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
+    if failed:
+        rank, code = failed[0]
+        raise RuntimeError(f"probe failed: rank {rank} exited {code}: {outputs[rank][1][-2000:]}")
     result: dict[str, float] = json.loads(outputs[0][0].strip().splitlines()[-1])
     return result
 
@@ -136,6 +280,22 @@ def probe_host(sleep_s: float, worlds: list[int]) -> tuple[tuple[int, float, flo
     return tuple(out)
 
 
+def probe_ps(
+    sleep_s: float, worlds: list[tuple[int, int]]
+) -> tuple[tuple[int, int, float, float, float], ...]:
+    """For each (W processes, K of them servers) of ``worlds``, a bsp parameter server's
+    rounds on this host (``measure_ps``): (W, K, the CPU a worker spends in a round's
+    exchange, the CPU a server spends per push, the workers' host work over the same work's
+    in one process alone): the cost model's ``Calibration.ps_host``."""
+    alone = statistics.median(_output(_local(1, ("cpu", sleep_s)))["work_s"] for _ in range(3))
+    out = []
+    for world, servers in worlds:
+        probed = _output(_local(world, ("ps", sleep_s, servers)))
+        out.append((world, servers, probed["cpu_s"], probed["server_cpu_s"],
+                    probed["work_s"] / alone))  # fmt: skip
+    return tuple(out)
+
+
 def probe_lab(lab: Any, sizes: tuple[int, ...] = SIZES, port: int = 29600) -> dict[int, float]:
     """The probe across a NetworkLab's hosts (one process each)."""
     endpoint = f"{lab.hosts[0].ip}:{port}"
@@ -149,7 +309,10 @@ def probe_lab(lab: Any, sizes: tuple[int, ...] = SIZES, port: int = 29600) -> di
 
 
 if __name__ == "__main__":
-    if sys.argv[4:5] == ["cpu"]:
+    if sys.argv[4:5] == ["ps"]:
+        measure_ps(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[5]),
+                   int(sys.argv[6]))  # fmt: skip
+    elif sys.argv[4:5] == ["cpu"]:
         measure_cpu(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[5]))
     else:
         measure(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],

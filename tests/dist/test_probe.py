@@ -1,0 +1,14 @@
+"""The host probes that calibrate the cost model at scale (analysis/probe.py), run for real
+at a small size: W processes on loopback, a bsp parameter server's rounds over its own links."""
+
+from __future__ import annotations
+
+from scaletrain.analysis.probe import probe_host, probe_ps
+
+
+def test_the_probes_measure_the_cpu_of_collectives_and_of_parameter_server_rounds():
+    [(world, collective, slowdown)] = probe_host(0.002, [2])
+    assert world == 2 and 0 < collective < 1 and slowdown > 0
+    [(world, servers, exchange, per_push, slowdown)] = probe_ps(0.002, [(3, 1)])
+    assert (world, servers) == (3, 1)
+    assert 0 < exchange < 1 and 0 < per_push < 1 and slowdown > 0
