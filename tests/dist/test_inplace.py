@@ -64,6 +64,25 @@ def test_survivors_continue_and_a_restarted_worker_rejoins(tmp_path):
     assert_no_orphans(out)
 
 
+def test_compressed_gradients_in_place_survive_a_kill(tmp_path):
+    """--compression bf16 in place: the gradient all-reduce goes in bf16 on torchft's group
+    (half the bytes), a SIGKILLed replica is restarted and heals, every sample once."""
+    out = tmp_path / "run"
+    result = run_cli("run", "--recovery", "inplace", "--nproc-per-node", "2", "--epochs", "6",
+                     "--compression", "bf16", "--max-restarts", "1", "--log-sample-ids",
+                     "--num-threads", "1", "--inject", "kill:rank=1:step=10,slow:rank=0:factor=6",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary, records = load(out)
+    [recovery] = summary["recoveries"]
+    assert recovery["kind"] == "inplace" and recovery["lost_steps"] == 0
+    assert any(r["rank"] == 1 and r["attempt"] == 1 for r in records), "rank 1 did not rejoin"
+    assert summary["compression_ratio"] == pytest.approx(2.0, rel=0.01)
+    assert summary["replicas_agree"] and summary["test_accuracy"] > 0.8
+    assert_exactly_once(records, 6)
+    assert_no_orphans(out)
+
+
 def test_without_restarts_the_survivors_finish_every_epoch(tmp_path):
     out = tmp_path / "run"
     result = run_cli("run", "--recovery", "inplace", "--nproc-per-node", "3", "--epochs", "2",
@@ -136,7 +155,8 @@ def test_inplace_refuses_what_it_cannot_do():
     for overrides, message in [
         ({"strategy": "fsdp"}, "inplace recovery runs data parallel training"),
         ({"nnodes": "1:2", "rdzv_endpoint": "127.0.0.1:29999"}, "starts a fixed set of replicas"),
-        ({"compression": "fp16"}, "drop --compression"),
+        ({"compression": "powersgd:rank=2"}, "carries fp16 and bf16 gradients, not powersgd"),
+        ({"compression": "topk"}, "torchft carries only all-reduces"),
     ]:
         with pytest.raises(ValueError, match=message):
             describe_plan(with_overrides(RunConfig(), {**base, **overrides}))

@@ -57,6 +57,7 @@ FLAGS: dict[str, dict[str, Any]] = {
     "compile": {"compile": True},
     "activation-checkpointing": {"activation_checkpointing": True, "model": "transformer"},
     "balance": {"balance": "speed", "balance_every": 2},
+    "compression": {"compression": "bf16"},
 }
 # (mode, flag) -> why it is refused; every other cell runs.
 REFUSED = {
@@ -68,6 +69,7 @@ REFUSED = {
     ("ps", "inject hang"): "measured: nothing ended the silent process",
     ("ps", "inject corrupt"): "the servers keep checkpoints of their own",
     ("ps", "balance"): "leases are dealt by the servers",
+    ("ps", "compression"): "the servers take whole gradients",
 }
 # Cells that run together (one run per group and mode, with every flag of the group that
 # the mode accepts; a later flag's value wins). Faults get runs of their own (the damaged
@@ -78,7 +80,7 @@ REFUSED = {
 GROUPS = {
     "steady": ["checkpoint-every", "checkpoint-async", "hang-timeout", "max-steps",
                "inject slow", "eval", "precision", "grad-accum", "clip-grad-norm",
-               "lr-schedule", "eval-every", "balance"],
+               "lr-schedule", "eval-every", "balance", "compression"],
     "faults": ["inject kill", "inject corrupt"],
     "hang": ["inject hang"],
     "compile": ["compile"],
@@ -217,6 +219,11 @@ def rebalanced(run: Run, mode: str) -> None:
     assert len({r["share"] for r in run.records if "share" in r}) > 1
 
 
+def compressed(run: Run, mode: str) -> None:
+    """bf16 on the wire: half the bytes of fp32."""
+    assert abs(run.summary["compression_ratio"] - 2.0) < 0.02, run.summary["compression_ratio"]
+
+
 # What each cell's flag must have done, read off its run.
 EFFECTS: dict[str, Callable[[Run, str], None]] = {
     "checkpoint-every": checkpointed,
@@ -236,6 +243,7 @@ EFFECTS: dict[str, Callable[[Run, str], None]] = {
     "compile": compiled,
     "activation-checkpointing": blocks_recomputed,
     "balance": rebalanced,
+    "compression": compressed,
 }
 
 

@@ -118,7 +118,7 @@ def test_user_task_example(tmp_path):
         (["--compression", "topk:ratio=2"], "topk ratio must be a fraction in (0, 1]"),
         (
             ["--strategy", "local_sgd", "--compression", "fp16"],
-            "strategy 'local_sgd' does not use gradient hooks; --compression applies to: ddp",
+            "--strategy local_sgd does not use gradient hooks; --compression applies to: ddp",
         ),
         (["--sync-every", "0"], "sync_every: must be >= 1"),
         (["--dataset", "imagenet"], "known datasets: digits, synthetic"),

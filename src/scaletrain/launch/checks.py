@@ -37,7 +37,7 @@ def check_names(cfg: RunConfig) -> None:
             sorted(n for n, s in all_strategies().items() if s.supports_compression)
         )
         raise ValueError(
-            f"compression: strategy {cfg.train.strategy!r} does not use gradient hooks; "
+            f"compression: --strategy {cfg.train.strategy} does not use gradient hooks; "
             f"--compression applies to: {with_hooks}"
         )
     lookup(OPTIMIZERS, cfg.optim.optimizer, "optimizer")

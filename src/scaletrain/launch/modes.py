@@ -30,6 +30,18 @@ _NO_HANG_WATCHDOG = (
 )
 
 
+# Compressors in-place recovery cannot carry, and why (fp16 and bf16 it can: one all-reduce
+# of a stateless encoding, on torchft's fault-tolerant process group).
+INPLACE_REFUSED_COMPRESSORS = {
+    "powersgd": "its warm-started factors and error feedback must be the same on every "
+    "replica, and a replica that heals or restarts has neither",
+    "topk": "it all-gathers every replica's payload, and torchft carries only all-reduces "
+    "through its quorum",
+    "sign": "it all-gathers every replica's payload, and torchft carries only all-reduces "
+    "through its quorum",
+}
+
+
 def mode_of(cfg: RunConfig) -> str:
     if cfg.train.strategy == "ps":
         return "ps"
@@ -52,8 +64,12 @@ def refusals(cfg: RunConfig) -> list[str]:
                 "recovery: inplace recovery runs data parallel training (--strategy ddp), not "
                 f"{cfg.train.strategy!r}"
             )
-        if cfg.comm.compression != "none":
-            out.append("recovery: inplace recovery averages plain gradients; drop --compression")
+        compressor = cfg.comm.compression.split(":")[0].strip()
+        if compressor in INPLACE_REFUSED_COMPRESSORS:
+            out.append(
+                f"compression: {name} carries fp16 and bf16 gradients, not {compressor}: "
+                f"{INPLACE_REFUSED_COMPRESSORS[compressor]}"
+            )
         lo, hi = parse_nnodes(cfg.launch.nnodes)
         if lo != hi:
             out.append(

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from scaletrain import env
+from scaletrain.compression import build_compressor
 from scaletrain.data.balance import HYSTERESIS, MIN_SHARE, floored
 from scaletrain.data.partition import rank_indices, split_counts
 from scaletrain.data.plans import (
@@ -153,6 +154,9 @@ class InplaceStrategy(Strategy):
         self.module, self.loss_fn = model, loss_fn
         self.optimizer = build_optimizer(model.parameters())
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shapes = [p.shape for p in self.params]
+        # --compression fp16 / bf16 (launch/modes.py refuses the others in place).
+        self.compressor = build_compressor(cfg.comm.compression, ctx.world_size)
         timeout = timedelta(seconds=cfg.hang_timeout_s)
         # This replica's own store (a group of one): torchft keeps its process-group
         # rendezvous keys there.
@@ -221,10 +225,10 @@ class InplaceStrategy(Strategy):
         )
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         slots = self.plan.rate_slots(n, self.membership()[1]) if self.plan.balancing else None
-        flat = torch.cat([g.reshape(-1) for g in grads] + ([slots] if slots is not None else []))
+        flat = torch.cat([g.reshape(-1) for g in grads])
         compute_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        self.manager.allreduce(flat).wait()  # the mean over participants
+        flat, sent = self._average(flat, n, slots)
         if self.manager.errored() is not None:
             self.drop_group()
         committed = self.manager.should_commit()
@@ -240,16 +244,43 @@ class InplaceStrategy(Strategy):
             t2 = time.perf_counter()
             extras |= self.step_optimizer(self.optimizer, self.params)
             compute_s += time.perf_counter() - t2
+        dense = 2 * (n - 1) * flat.numel() * flat.element_size() // n
         return StepResult(
             loss=loss,
             compute_s=compute_s,
             comm_s=comm_s,
             wait_s=comm_s,  # a blocking all-reduce: all of it waited for
-            comm_bytes=2 * (n - 1) * flat.numel() * flat.element_size() // n,
+            comm_bytes=2 * (n - 1) * sent // n,
+            dense_bytes=dense,
             committed=committed,
             overlap=0.0,
             extras=extras,
         )
+
+    def _average(
+        self, grad: torch.Tensor, n: int, slots: torch.Tensor | None
+    ) -> tuple[torch.Tensor, int]:
+        """The mean over the step's ``n`` participants of the flat gradient, the rate slots
+        (--balance speed) after it; and the bytes one participant handed the all-reduce.
+        Compressed (--compression fp16 or bf16), the gradient goes in the half type, each
+        replica's already divided by ``n`` (so the sum stays in fp16's range); the slots
+        then go in fp32 in an all-reduce of their own (replica ids and rates need its
+        precision)."""
+        if self.compressor is None:
+            flat = torch.cat([grad, slots]) if slots is not None else grad
+            self.manager.allreduce(flat).wait()
+            return flat, flat.numel() * flat.element_size()
+        from torch.distributed import ReduceOp
+
+        self.compressor.world_size = n  # the participants of this step
+        payload = self.compressor.compress(0, grad, self.shapes)
+        self.manager.allreduce(payload, reduce_op=ReduceOp.SUM).wait()
+        self.compressor.decompress(0, payload, grad)
+        sent = payload.numel() * payload.element_size()
+        if slots is None:
+            return grad, sent
+        self.manager.allreduce(slots).wait()
+        return torch.cat([grad, slots]), sent + slots.numel() * slots.element_size()
 
     def drop_group(self) -> None:
         """This step's all-reduce failed (a peer died or went silent): close this replica's
