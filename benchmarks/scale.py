@@ -11,7 +11,7 @@ talks over loopback; benchmarks over shaped links are the netns lab's). What it 
 every process still imports torch and builds its model on the 2 shared cores, so start-up
 grows with W here where a cluster's hosts would each start their own.
 
-Weak scaling: every world trains 2 samples per worker per step, about 12 steps an epoch, 2
+Weak scaling: every world trains 2 samples per worker per step, 12 steps an epoch, 4
 epochs, a checkpoint every 10 steps. For each run the table gives launch to first step (and
 its phases: interpreter start to torch imported, the process group, the model built and
 wrapped), the steady step split into compute (the sleeping device), communication and the
@@ -52,7 +52,11 @@ REPO = Path(__file__).resolve().parents[1]
 FLOORS = Floors()
 TASK = str(REPO / "benchmarks" / "sleeping_device.py") + ":build_task"
 DIGITS = 1437
-STEPS = 12  # an epoch's steps (fewer at 32: 1437 digits are 22 steps of 64)
+STEPS = 12  # an epoch's steps
+# 4 epochs, 48 steps: with 2 the mean step of local SGD (H=4: 6 synchronizing steps, which
+# ranged 54-145 ms in one run at W=16) moved by a fifth between two runs of the same command,
+# as much as the cost model's floor; start-up, not steps, is most of each run's time.
+EPOCHS = 4
 
 Overrides = dict[str, Any]
 
@@ -96,7 +100,7 @@ def launch(out: Path, w: int, overrides: Overrides, device_ms: float) -> dict[st
     samples = min(DIGITS, STEPS * per_worker * w)
     base: Overrides = {
         "task": TASK, "dataset": "digits", "model": "mlp", "width": 16,
-        "nproc_per_node": w, "batch_size": per_worker, "num_samples": samples, "epochs": 2,
+        "nproc_per_node": w, "batch_size": per_worker, "num_samples": samples, "epochs": EPOCHS,
         "seed": 1, "num_threads": 1, "checkpoint_every": 10, "log_sample_ids": True,
         "timeout_s": 600.0,
     }  # fmt: skip
