@@ -74,8 +74,15 @@ class Trainer:
         self.checkpoints = self.world.checkpointing(self)
         self.watchdog = self.world.watchdog(self)
         self.resuming = False
-        self.rates = RateMeter() if cfg.train.balance == "speed" else None
-        self.warmed_up = False  # this process trained a step (in place, the rate meter's start)
+        # In place, a replica's first step (its warm-up: tens of milliseconds) is not metered:
+        # it hid a replica 4x slower when a short run had one rate window (the rates ride one
+        # step late there). In one group (restart mode) it is: there it is the same on every
+        # rank and damps the first window, and left out, a noisy first window of tiny steps
+        # twice starved a healthy rank for good (test_balance.py, fresh clones): when a step
+        # is mostly fixed per-step cost, a rank's rate follows its share, so a share lowered
+        # by noise lowers the rate that decides it.
+        self.rates = (RateMeter(skip_first=not ctx.shared_world)
+                      if cfg.train.balance == "speed" else None)  # fmt: skip
         self.smoothed_rates: list[float] | None = None
 
     # -- the training state: what a checkpoint holds and a healing replica copies ---------
@@ -264,17 +271,7 @@ class Trainer:
         """--balance speed: this rank's busy time (loading, computing, not waiting); every
         --balance-every steps the ranks' rates are gathered and the split re-planned."""
         assert self.rates is not None
-        # In place, the first step a replica trains carries its warm-up (first allocations,
-        # the first collective's connections): tens of milliseconds that hid a replica 4x
-        # slower when a short run had one rate window (the rates ride one step late there),
-        # so it is left out. Not in one group (restart mode): there it is the same on every
-        # rank and damps the first window, and left out, a noisy first window of tiny steps
-        # twice starved a healthy rank for good (test_balance.py, fresh clones): when a step
-        # is mostly fixed per-step cost, a rank's rate follows its share, so a share lowered
-        # by noise lowers the rate that decides it.
-        if self.warmed_up or self.ctx.shared_world:
-            self.rates.add(plan.num_samples, busy_s)
-        self.warmed_up = True
+        self.rates.add(plan.num_samples, busy_s)
         if self.progress.step % self.cfg.train.balance_every:
             return
         rate = self.rates.take()

@@ -57,3 +57,13 @@ def test_the_meter_measures_samples_per_busy_second():
     meter.add(30, 0.5)
     meter.add(10, 0.5)
     assert meter.take() == 40.0 and meter.take() == 0.0
+
+
+def test_the_meter_can_leave_the_warm_up_step_out():
+    meter = RateMeter(skip_first=True)
+    meter.add(2, 10.0)  # the first step: warm-up, not metered
+    meter.add(30, 0.5)
+    meter.add(10, 0.5)
+    assert meter.take() == 40.0
+    meter.add(20, 0.5)  # only the process's first step is left out, not each window's
+    assert meter.take() == 40.0

@@ -61,13 +61,19 @@ def next_shares(
 
 
 class RateMeter:
-    """This rank's samples and busy seconds since the last rebalance."""
+    """This rank's samples and busy seconds since the last rebalance. ``skip_first``: the
+    first step added is left out (it carries the process's warm-up: first allocations, the
+    first collective's connections)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, skip_first: bool = False) -> None:
         self.samples = 0
         self.busy_s = 0.0
+        self.skipping = skip_first
 
     def add(self, samples: int, busy_s: float) -> None:
+        if self.skipping:
+            self.skipping = False
+            return
         self.samples += samples
         self.busy_s += busy_s
 
