@@ -208,6 +208,10 @@ def inplace_recoveries(deaths: list[Record], records: list[Record], world: int) 
         if back is not None:
             entry["rejoined_step"] = back["step"]
             entry["rejoin_s"] = back["unix_time"] - death["restarted_at"]
+            if back.get("healed_bytes"):  # the copy from a peer, within that step's quorum
+                entry["healed_bytes"] = back["healed_bytes"]
+                entry["heal_s"] = back["quorum_s"]
+                entry["heal_GBps"] = back["healed_bytes"] / max(back["quorum_s"], 1e-9) / 1e9
         out.append(entry)
     return sorted(out, key=lambda e: e["failed_at"])
 

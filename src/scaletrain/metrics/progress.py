@@ -163,6 +163,8 @@ def describe_recovery(r: dict[str, Any]) -> str:
         )
         if r.get("rejoined_step"):
             line += f"; it rejoined at step {r['rejoined_step']} ({r['rejoin_s']:.1f} s)"
+        if r.get("healed_bytes"):
+            line += f", healed {r['healed_bytes'] / 1e6:.1f} MB from a peer in {r['heal_s']:.2f} s"
         return line
     if r["kind"].startswith("ps-"):
         return describe_ps_recovery(r, what)

@@ -24,7 +24,9 @@ over the survivors: every sample is trained exactly once per epoch, also across 
 The global batch follows the membership (the per-worker batch is kept); the learning rate is
 not rescaled.
 
-Records carry ``participants`` and ``quorum_s`` (the time the step waited for its quorum).
+Records carry ``participants`` and ``quorum_s`` (the time the step waited for its quorum);
+the step of a replica that healed before it also ``healed_bytes``, the tensors it copied
+(its quorum_s includes the copy).
 
 ``--balance speed`` in place: each replica's rate (samples per busy second over
 --balance-every steps) rides on every step's gradient all-reduce, in two small slots of
@@ -130,6 +132,17 @@ def manager_server_bound_to(addr: str) -> Iterator[None]:
         torchft_manager.ManagerServer = real  # type: ignore[misc]
 
 
+def tensor_bytes(state: Any) -> int:
+    """The bytes of every tensor in a nested state (dicts, lists, tuples)."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(tensor_bytes(v) for v in state)
+    return 0
+
+
 def wait_for_peers(run_dir: Path, rank: int, world: int, timeout_s: float) -> None:
     """First start only: every replica announces itself and waits for all, so the first step
     runs with all of them instead of with whichever imported torch first."""
@@ -198,7 +211,12 @@ class InplaceStrategy(Strategy):
     def bind_state(
         self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
     ) -> None:
-        self.manager.register_state_dict_fn("trainer", load, save)
+        def healed(state: dict[str, Any]) -> None:
+            self.healed_bytes = tensor_bytes(state)  # the step's record says what was copied
+            load(state)
+
+        self.healed_bytes = 0
+        self.manager.register_state_dict_fn("trainer", healed, save)
 
     @property
     def model(self) -> nn.Module:
@@ -436,6 +454,9 @@ class QuorumPlan(SampledPlan):
         lo, hi = bounds
         shares = self._shares(n)
         extras: dict[str, Any] = {"quorum_s": quorum_s}
+        if self.strategy.healed_bytes:  # this quorum healed the replica from a peer
+            extras["healed_bytes"] = self.strategy.healed_bytes
+            self.strategy.healed_bytes = 0
         if shares:
             extras["share"] = shares[rank]
         return StepPlan(
