@@ -3,8 +3,9 @@
 Launched by torchrun. Same model builder, dataset, batch and optimizer as scaletrain's ddp run
 in ddp_overhead.py; torch's DistributedSampler, the built-in C++ all-reduce hook, no metrics.
 Rank 0 writes the end time of every step, in seconds since the loop started, and the Unix
-time it started, to --out; ddp_overhead.py compares them with scaletrain's (metrics.jsonl's
-unix_time of rank 0) over the seconds in which both ran.
+time it started, to --out, at its end or when it is sent SIGTERM; ddp_overhead.py compares
+them with scaletrain's (metrics.jsonl's unix_time of rank 0) over the seconds in which both
+ran.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch
@@ -44,19 +46,31 @@ def main() -> None:
     sampler = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_batch)
 
-    step_ends = []
+    step_ends: list[float] = []
+    start, start_unix = time.perf_counter(), time.time()
+
+    def write_step_ends() -> None:
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump({"step_ends": [t - start for t in step_ends],
+                           "start_unix": start_unix}, f)  # fmt: skip
+
+    def stop(signum: int, frame: object) -> None:
+        """Stopped early (ddp_overhead.py ends the program that runs in the background once
+        the other one has finished): the steps so far, and out."""
+        write_step_ends()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     if dist.get_rank() == 0:  # for ddp_overhead.py, which starts its pair once this trains
         open(args.out + ".started", "w").close()
-    start, start_unix = time.perf_counter(), time.time()
     for x, y in loader:
         optimizer.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         step_ends.append(time.perf_counter())
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump({"step_ends": [t - start for t in step_ends], "start_unix": start_unix}, f)
+    write_step_ends()
     dist.destroy_process_group()
     os._exit(0)  # same exit as scaletrain's workers (see scaletrain/worker.py: exit_now)
 
