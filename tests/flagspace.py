@@ -113,6 +113,12 @@ def size_to_train(d: dict[str, Any]) -> None:
         steps = max(steps, 100)
         if d["model"] == "transformer" and d["strategy"] == "diloco":
             steps = 200  # measured 0.18-0.31 at 135 steps: the outer step slows it
+            # The outer Nesterov step (lr 0.7, momentum 0.9) moves the weights about 7x each
+            # synchronization's change, so with H = 1 or 2 the transformer trains as under
+            # AdamW at about 0.02 and stays near chance (measured 0.21 and 0.22 at H = 1, 2;
+            # 0.47 at H = 4; one make stress draw failed at 0.20). The inner lr scaled by H / 4
+            # gave 0.50, 0.475 and 0.47.
+            d["lr"] = 0.003 * min(1.0, d.get("sync_every", 8) / 4)
     elif d.get("consistency") in ("asp", "ssp"):
         d["lr"] = 0.02  # stale gradients under momentum SGD: 0.1 diverged, 0.02 trains
     else:
