@@ -8,7 +8,7 @@ multi-host lab when it can run; not the tests there that inject no fault) and th
 fuzzer (new combinations checked and trained every round), with a new
 SCALETRAIN_STRESS_SEED, so the bitwise-resume property test draws new configurations and
 kill points each round
-(SCALETRAIN_RESUME_DRAWS of them; default 3 a round here, 6 in ``make test``).
+(SCALETRAIN_RESUME_DRAWS of them; default 3 a round here, 2 in ``make test``).
 
 A test that fails in any round is a bug to find: the summary lists every failure with the
 round's seed, which reproduces the draws (SCALETRAIN_STRESS_SEED=<seed> pytest ...), and

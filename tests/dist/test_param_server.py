@@ -168,7 +168,7 @@ def test_ssp_bound_holds_end_to_end(tmp_path, staleness, workers):
     out = tmp_path / "run"
     result = run_cli("run", "--strategy", "ps", "--nproc-per-node", str(workers + 1),
                      "--consistency", "ssp", "--staleness", str(staleness),
-                     "--num-samples", "480", "--batch-size", "8", "--epochs", "1", "--seed", "1",
+                     "--num-samples", "240", "--batch-size", "8", "--epochs", "1", "--seed", "1",
                      "--num-threads", "1", "--inject", "slow:rank=0:factor=3",
                      "--out", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
