@@ -35,6 +35,10 @@ FLAG_ALIASES = {"data_dir": ["--data"]}  # the short name users reach for first
 BENCH_OWN = frozenset({"strategy", "compression", "nproc_per_node", "out"})
 
 
+# The config flags of `scaletrain predict`: the model they describe is counted for --params.
+PREDICT_MODEL_FLAGS = frozenset({"model", "task", "width", "dataset", "image_size", "data_dir"})
+
+
 def add_config_flags(
     parser: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()
 ) -> None:
@@ -89,13 +93,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default="", help="sweep directory (default runs/bench-<time>)")
     add_config_flags(bench, exclude=BENCH_OWN)
-    predict = sub.add_parser("predict", help="predict step time and efficiency at scale")
+    predict = sub.add_parser(
+        "predict", help="predict step time and efficiency at scale",
+        description="Calibrated from a finished 1-worker run (--calibrate), or from a "
+                    "description of the model and the cluster (--params and --step-ms).",
+    )  # fmt: skip
     predict.add_argument(
-        "--calibrate", required=True, metavar="RUN_DIR", help="a finished 1-worker run of the job"
+        "--calibrate", metavar="RUN_DIR", help="a finished 1-worker run of the job"
     )
-    predict.add_argument("--workers", default="2,8,64,1024", help="worker counts")
-    predict.add_argument("--bandwidth", default="10gbit", help="per-link bandwidth, e.g. 10gbit")
-    predict.add_argument("--latency-us", type=float, default=30.0, help="per-message latency")
+    predict.add_argument(
+        "--params", metavar="N",
+        help="without a run: the model's parameters (25.6M, 7B, 1e8), with --step-ms; or "
+             "counted from the model that --model / --task / --config describe",
+    )  # fmt: skip
+    predict.add_argument(
+        "--step-ms", type=float, metavar="T",
+        help="without a run: one device's step (forward, backward, optimizer) at --batch-size",
+    )  # fmt: skip
+    predict.add_argument("--batch-size", type=int, metavar="B",
+                         help="without a run: samples per device per step")  # fmt: skip
+    predict.add_argument(
+        "--grad-bytes-per-param", type=float, default=4.0,
+        help="without a run: bytes each parameter's gradient sends (4 fp32, 2 bf16)",
+    )  # fmt: skip
+    predict.add_argument(
+        "--overlap", type=float, default=None,
+        help="share of gradient communication hidden behind backward, 0-1 (default: the "
+             "run's measured one, or 0)",
+    )  # fmt: skip
+    predict.add_argument(
+        "--cluster", metavar="NAME",
+        help="a named cluster (its devices per node, links and latency; the flags below "
+             "override it): " + ", ".join(costmodel_cluster_names()),
+    )  # fmt: skip
+    predict.add_argument("--cluster-file", metavar="TOML",
+                         help="more named clusters, in clusters.toml's form")  # fmt: skip
+    predict.add_argument("--workers", default="2,8,64,1024", help="worker (device) counts")
+    predict.add_argument(
+        "--bandwidth", default=None,
+        help="between nodes, per node (per worker with one device a node): bits (10gbit, "
+             "100Gb/s) or bytes (900GB/s); default 10gbit",
+    )  # fmt: skip
+    predict.add_argument("--gpus-per-node", type=int, default=None,
+                         help="devices per node (default 1)")  # fmt: skip
+    predict.add_argument("--intra-bandwidth", default=None,
+                         help="within a node, per device, e.g. 450GB/s")  # fmt: skip
+    predict.add_argument("--latency-us", type=float, default=None,
+                         help="per-message latency (default 30)")  # fmt: skip
+    # The model whose parameters --params would give, counted (its config flags only).
+    add_config_flags(predict, exclude=frozenset(leaf_fields()) - PREDICT_MODEL_FLAGS)
+    predict.add_argument("--json", action="store_true",
+                         help="print the predictions as a JSON list, nothing else")  # fmt: skip
     predict.add_argument(
         "--methods",
         default="ddp,local_sgd:8,ps:4,compressed:100:10",
@@ -184,17 +232,95 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if finished else 1
 
 
-def cmd_predict(args: argparse.Namespace) -> int:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
+def costmodel_cluster_names() -> list[str]:
+    from scaletrain.analysis.costmodel import load_clusters
 
+    return sorted(load_clusters())
+
+
+def model_parameters(args: argparse.Namespace) -> int | None:
+    """The parameters of the model that predict's config flags describe (None: none given)."""
+    given = {k: v for k, v in vars(args).items() if k in PREDICT_MODEL_FLAGS}
+    if not given and not args.config:
+        return None
+    from scaletrain.task import build_task
+
+    cfg = load_toml(args.config) if args.config else RunConfig()
+    task = build_task(with_overrides(cfg, given))
+    return sum(p.numel() for p in task.model.parameters())
+
+
+def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> Any:
+    """The cost model's Calibration: from a finished 1-worker run, or from a description of
+    the model (--params, --step-ms, --batch-size) and of the cluster (--cluster and the link
+    flags, which override it)."""
     from scaletrain.analysis import costmodel
-    from scaletrain.analysis.sweep import parse_list
-    from scaletrain.netns import parse_rate
 
+    counted = model_parameters(args)
+    if counted is not None and args.params is not None:
+        raise ValueError(
+            "predict: --params gives the count; --model, --task and --config "
+            "count it from a model: give one or the other"
+        )
+    if counted is not None:
+        args.params = str(counted)
+    described = [f for f in ("params", "step_ms", "batch_size") if getattr(args, f) is not None]
+    if args.calibrate and described:
+        raise ValueError(
+            "predict: --calibrate takes the model from a run; --params, --step-ms "
+            "and --batch-size describe one instead: give one or the other"
+        )
+    if not args.calibrate and len(described) < 3:
+        raise ValueError(
+            "predict: give --calibrate RUN_DIR (a finished 1-worker run of the "
+            "job), or describe the model: --params N --step-ms T --batch-size B "
+            "(one device's step at B samples)"
+        )
+    cluster = None
+    if args.cluster:
+        clusters = costmodel.load_clusters(Path(args.cluster_file) if args.cluster_file else None)
+        if args.cluster not in clusters:
+            raise ValueError(f"predict: no cluster named {args.cluster!r}; known: "
+                             + ", ".join(sorted(clusters)))  # fmt: skip
+        cluster = clusters[args.cluster]
+    elif args.cluster_file:
+        raise ValueError("predict: --cluster-file adds named clusters: pick one with --cluster")
+    gpus = args.gpus_per_node or (cluster.gpus_per_node if cluster else 1)
+    if gpus < 1:
+        raise ValueError("predict: --gpus-per-node must be at least 1")
+    bandwidth = (costmodel.parse_bandwidth(args.bandwidth, "--bandwidth") if args.bandwidth
+                 else cluster.bandwidth_Bps if cluster else 10e9 / 8)  # fmt: skip
+    intra = (costmodel.parse_bandwidth(args.intra_bandwidth, "--intra-bandwidth")
+             if args.intra_bandwidth
+             else cluster.intra_bandwidth_Bps if cluster else 0.0)  # fmt: skip
+    if gpus > 1 and not intra:
+        raise ValueError(
+            "predict: with --gpus-per-node above 1, give --intra-bandwidth (each "
+            "device's bandwidth within its node, e.g. 450GB/s) or --cluster"
+        )
+    latency_us = args.latency_us if args.latency_us is not None else (
+        cluster.latency_us if cluster else 30.0)  # fmt: skip
+    if args.overlap is not None and not 0 <= args.overlap <= 1:
+        raise ValueError(f"predict: --overlap is a share, 0-1, got {args.overlap}")
+    link: dict[str, Any] = {"latency_s": latency_us * 1e-6, "bandwidth_Bps": bandwidth,
+            "gpus_per_node": gpus, "intra_bandwidth_Bps": intra}  # fmt: skip
+    if not args.calibrate:
+        if args.step_ms <= 0 or args.batch_size < 1 or args.grad_bytes_per_param <= 0:
+            raise ValueError(
+                "predict: --step-ms, --batch-size and --grad-bytes-per-param must be above 0"
+            )
+        params = costmodel.parse_count(args.params, "--params")
+        if args.cores or args.probe_host:
+            raise ValueError(
+                "predict: --cores and --probe-host model this host's processes, "
+                "calibrated from a run here: use them with --calibrate"
+            )
+        return costmodel.Calibration(
+            compute_s=args.step_ms / 1e3, batch_size=args.batch_size,
+            grad_bytes=round(params * args.grad_bytes_per_param), overlap=args.overlap or 0.0,
+            **link,
+        )  # fmt: skip
     measured = costmodel.calibrate_run(Path(args.calibrate))
-    worker_counts = parse_list(args.workers, "workers", int)
     host: tuple[tuple[int, float, float], ...] = ()
     if args.probe_host:
         if not args.cores:
@@ -205,27 +331,55 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
         device_s = max(measured["compute_s"] - measured["cpu_s"], 0.0)
         host = probe_host(device_s, [w for w in worker_counts if w > 1])
-    cal = costmodel.Calibration(
+    overlap = measured["overlap"] if args.overlap is None else args.overlap
+    return costmodel.Calibration(
         compute_s=measured["compute_s"], batch_size=int(measured["batch_size"]),
-        grad_bytes=int(measured["grad_bytes"]), latency_s=args.latency_us * 1e-6,
-        bandwidth_Bps=parse_rate(args.bandwidth) / 8, overlap=measured["overlap"],
-        cores=args.cores, cpu_s=measured["cpu_s"] if args.cores else 0.0, host=host,
+        grad_bytes=int(measured["grad_bytes"]), overlap=overlap, cores=args.cores,
+        cpu_s=measured["cpu_s"] if args.cores else 0.0, host=host, **link,
     )  # fmt: skip
-    table = Table(title=f"predicted at {args.bandwidth}, {args.latency_us:g} us latency",
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import json
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from scaletrain.analysis import costmodel
+    from scaletrain.analysis.sweep import parse_list
+
+    worker_counts = parse_list(args.workers, "workers", int)
+    if min(worker_counts) < 1:
+        raise ValueError("predict: --workers must be at least 1")
+    cal = predict_calibration(args, worker_counts)
+    predictions = []
+    for method in parse_list(args.methods, "methods"):
+        for workers in worker_counts:
+            predictions.append(costmodel.predict_method(cal, method, workers))
+            if method.startswith("pipeline"):
+                break
+    if args.json:
+        print(json.dumps([{"method": p.method, "workers": p.workers, "step_s": p.step_s,
+                           "samples_per_s": p.samples_per_s, "efficiency": p.efficiency}
+                          for p in predictions], indent=1))  # fmt: skip
+        return 0
+    bandwidth = f"{cal.bandwidth_Bps * 8 / 1e9:g} Gbit/s"
+    link = (f"{cal.gpus_per_node} devices a node at {cal.intra_bandwidth_Bps / 1e9:g} GB/s "
+            f"each, nodes at {bandwidth}" if cal.gpus_per_node > 1 else bandwidth)  # fmt: skip
+    table = Table(title=f"predicted at {link}, {cal.latency_s * 1e6:g} us latency",
                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)  # fmt: skip
     for column in ("W", "method", "step ms", "compute ms", "comm ms", "samples/s", "effic."):
         table.add_column(column, no_wrap=True)
-    for method in parse_list(args.methods, "methods"):
-        for workers in worker_counts:
-            p = costmodel.predict_method(cal, method, workers)
-            table.add_row(str(p.workers), p.method, f"{p.step_s * 1e3:,.1f}",
-                          f"{p.compute_s * 1e3:,.1f}", f"{p.comm_s * 1e3:,.1f}",
-                          f"{p.samples_per_s:,.0f}", f"{p.efficiency:.0%}")  # fmt: skip
-            if method.startswith("pipeline"):
-                break
+    for p in predictions:
+        table.add_row(str(p.workers), p.method, f"{p.step_s * 1e3:,.1f}",
+                      f"{p.compute_s * 1e3:,.1f}", f"{p.comm_s * 1e3:,.1f}",
+                      f"{p.samples_per_s:,.0f}", f"{p.efficiency:.0%}")  # fmt: skip
     console = Console()
+    origin = (f"calibrated from {args.calibrate}" if args.calibrate else
+              f"described: {costmodel.parse_count(args.params):,} parameters")  # fmt: skip
     console.print(
-        f"calibrated from {args.calibrate}: {cal.compute_s * 1e3:.1f} ms per step without "
+        f"{origin}: {cal.compute_s * 1e3:.1f} ms per step without "
         f"communication at {cal.batch_size} samples per worker, {cal.grad_bytes / 1e6:.1f} MB "
         f"of gradients, overlap {cal.overlap:.0%}",
         highlight=False, soft_wrap=True,
@@ -234,12 +388,18 @@ def cmd_predict(args: argparse.Namespace) -> int:
     shared = (f"the workers share {args.cores} cores (their host CPU per step: "
               f"{cal.cpu_s * 1e3:.2f} ms alone)" if cal.cores else
               "every worker has its own compute")  # fmt: skip
+    hierarchy = ("hierarchical all-reduce (within each node, then across nodes)"
+                 if cal.gpus_per_node > 1 else "ring all-reduce")  # fmt: skip
     console.print(
-        f"assumes: {shared} and a link at the bandwidth; ring "
-        "all-reduce; no stragglers or noise; ps is synchronous with the busiest server link as "
-        "its bound; see scaletrain/analysis/costmodel.py for every formula",
+        f"assumes: {shared} and a link at the bandwidth; {hierarchy}; no stragglers or noise; "
+        "ps is synchronous with the busiest server link as its bound; see "
+        "scaletrain/analysis/costmodel.py for every formula",
         highlight=False, soft_wrap=True,
     )  # fmt: skip
+    if args.cluster:
+        clusters = costmodel.load_clusters(Path(args.cluster_file) if args.cluster_file else None)
+        for source in clusters[args.cluster].sources:
+            console.print(f"{args.cluster}: {source}", highlight=False, soft_wrap=True)
     return 0
 
 

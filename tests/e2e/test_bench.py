@@ -4,6 +4,7 @@ cannot run here are reported with the reason, and the rest still finishes."""
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
@@ -74,3 +75,60 @@ def test_sweep_over_a_shaped_link(tmp_path):
     [row] = read_csv(out / "bench.csv")
     assert row["status"] == "ok" and row["bandwidth"] == "200mbit"
     assert float(row["comm_share"]) > 0
+
+
+def test_predict_from_a_description_without_a_run(tmp_path):
+    """`scaletrain predict --params ... --step-ms ... --cluster ...`: the model and the cluster
+    described, the predictions as JSON; the flags override the preset; a missing or
+    contradictory description is the user's error (exit 2), not a traceback."""
+    described = ["predict", "--params", "25.6M", "--step-ms", "100", "--batch-size", "32",
+                 "--workers", "1,8,64", "--methods", "ddp,local_sgd:8"]  # fmt: skip
+    result = run_cli(*described, "--cluster", "dgx-a100", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["method"], r["workers"]) for r in rows] == [
+        ("ddp", 1), ("ddp", 8), ("ddp", 64),
+        ("local_sgd H=8", 1), ("local_sgd H=8", 8), ("local_sgd H=8", 64),
+    ]  # fmt: skip
+    assert set(rows[0]) == {"method", "workers", "step_s", "samples_per_s", "efficiency"}
+    assert rows[0]["step_s"] == pytest.approx(0.1) and rows[0]["samples_per_s"] == pytest.approx(
+        320
+    )
+    # 64 A100s: 8 nodes of 8 on NVLink (300 GB/s each way), 1600 Gbit/s between nodes, 10 us;
+    # 102.4 MB of fp32 gradients.
+    within = 2 * 7 / 8 * 102.4e6 / 300e9 + 14 * 10e-6
+    across = 2 * 7 / 8 * 102.4e6 / 200e9 + 14 * 10e-6
+    assert rows[2]["step_s"] == pytest.approx(0.1 + within + across)
+    # bf16 gradients and a slower node link given by hand over the preset's.
+    result = run_cli(*described, "--cluster", "dgx-a100", "--bandwidth", "100Gb/s",
+                     "--grad-bytes-per-param", "2", "--json")  # fmt: skip
+    slow = json.loads(result.stdout)[2]
+    across = 2 * 7 / 8 * 51.2e6 / 12.5e9 + 14 * 10e-6
+    assert slow["step_s"] == pytest.approx(0.1 + 2 * 7 / 8 * 51.2e6 / 300e9 + 14e-5 + across)
+    # --params counted from the model that the config flags describe.
+    from scaletrain.config import RunConfig, with_overrides
+    from scaletrain.task import build_task
+
+    model = {"model": "cnn", "dataset": "synthetic", "width": 8}
+    task = build_task(with_overrides(RunConfig(), model))
+    count = sum(p.numel() for p in task.model.parameters())
+    by_model = run_cli("predict", *described[3:], "--model", "cnn", "--dataset", "synthetic", "--width",
+                       "8", "--json")  # fmt: skip
+    by_count = run_cli(*described[:2], str(count), *described[3:], "--json")
+    assert by_model.returncode == 0, by_model.stderr
+    assert json.loads(by_model.stdout) == json.loads(by_count.stdout)
+    # The table names the cluster's sources.
+    result = run_cli(*described, "--cluster", "dgx-a100")
+    assert result.returncode == 0 and "DGX A100 datasheet" in result.stdout, result.stdout
+    for args, message in [
+        ([*described[:3]], "give --calibrate RUN_DIR"),
+        ([*described, "--calibrate", str(tmp_path)], "one or the other"),
+        ([*described, "--cluster", "nope"], "no cluster named 'nope'"),
+        ([*described, "--gpus-per-node", "8"], "give --intra-bandwidth"),
+        ([*described, "--bandwidth", "fast"], "--bandwidth: expected bits"),
+        ([*described, "--overlap", "2"], "--overlap is a share"),
+        ([*described, "--model", "cnn"], "--params gives the count"),
+    ]:
+        result = run_cli(*args)
+        assert result.returncode == 2 and "error:" in result.stderr, (args, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -158,3 +158,59 @@ def test_the_co_location_term_brings_every_shared_host_row_closer():
             predicted = predict_method(model, row["method"], row["workers"]).step_s
             errors.append(abs(predicted / row["measured_step_s"] - 1))
         assert errors[0] < errors[1], row
+
+
+def test_counts_and_bandwidths_read_as_written():
+    assert costmodel.parse_count("25.6M") == 25_600_000
+    assert costmodel.parse_count("7B") == costmodel.parse_count("7g") == 7_000_000_000
+    assert costmodel.parse_count("1e8") == 100_000_000
+    assert costmodel.parse_count("350k") == 350_000
+    assert costmodel.parse_count("1_000") == 1000
+    # A lower-case b (or "bit") is bits, an upper-case B bytes; "/s" and "ps" are optional.
+    assert costmodel.parse_bandwidth("10gbit") == 10e9 / 8
+    assert costmodel.parse_bandwidth("100Gb/s") == costmodel.parse_bandwidth("100Gbps") == 100e9 / 8
+    assert costmodel.parse_bandwidth("900GB/s") == costmodel.parse_bandwidth("900GBps") == 900e9
+    assert costmodel.parse_bandwidth("1.5TB/s") == 1.5e12
+    for bad in ("", "25x", "0", "M"):
+        with pytest.raises(ValueError, match="--params"):
+            costmodel.parse_count(bad, "--params")
+    for bad in ("10", "10 gigs", "0gbit", "GB/s"):
+        with pytest.raises(ValueError, match="--bandwidth"):
+            costmodel.parse_bandwidth(bad, "--bandwidth")
+
+
+def test_hierarchical_allreduce_by_hand():
+    """4 nodes x 8 devices, 100 MB: a ring within the node (2 x 7/8 x 100 MB at 100 GB/s) and
+    the node's link across the 4 nodes (2 x 3/4 x 100 MB at 10 GB/s), 14 + 6 latencies."""
+    c = cal(bandwidth_Bps=10e9, gpus_per_node=8, intra_bandwidth_Bps=100e9, latency_s=1e-5)
+    within = 2 * 7 / 8 * 1e8 / 100e9 + 14e-5
+    across = 2 * 3 / 4 * 1e8 / 10e9 + 6e-5
+    assert costmodel.allreduce_s(1e8, 32, c) == pytest.approx(within + across)
+    assert costmodel.allreduce_s(1e8, 8, c) == pytest.approx(within)  # one node: NVLink alone
+    assert costmodel.allreduce_s(1e8, 4, c) == pytest.approx(2 * 3 / 4 * 1e8 / 100e9 + 6e-5)
+    # 12 devices fill 2 nodes (the second partly): the slower node link counts once.
+    assert costmodel.allreduce_s(1e8, 12, c) == pytest.approx(within + 1e8 / 10e9 + 2e-5)
+    # A parameter server's workers share their node's link: 8 of them, 10 GB/s, 2 x 100 MB.
+    assert predict_method(c, "ps:64", 32).comm_s == pytest.approx(2e-5 + 2e8 / (10e9 / 8))
+    # One device a node is the flat ring of before.
+    flat = cal(latency_s=1e-5, bandwidth_Bps=10e9)
+    assert costmodel.allreduce_s(1e8, 32, flat) == pytest.approx(2 * 31 / 32 * 1e8 / 10e9 + 62e-5)
+
+
+def test_cluster_presets_parse_and_a_users_file_adds_to_them(tmp_path):
+    clusters = costmodel.load_clusters()
+    assert {"dgx-h100", "dgx-a100", "aws-p4d", "aws-p5"} <= set(clusters)
+    h100 = clusters["dgx-h100"]
+    assert (h100.gpus_per_node, h100.intra_bandwidth_Bps, h100.bandwidth_Bps) == (8, 450e9, 400e9)
+    assert all(c.sources for c in clusters.values())
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[lab]\ndescription = "ours"\ngpus_per_node = 4\nintra_bandwidth = "64GB/s"\n'
+                    'bandwidth = "100gbit"\nlatency_us = 15\nsources = ["measured"]\n')  # fmt: skip
+    both = costmodel.load_clusters(mine)
+    assert both["lab"].bandwidth_Bps == 12.5e9 and "dgx-h100" in both
+    mine.write_text("[lab]\ngpus_per_node = 4\n")
+    with pytest.raises(ValueError, match="cluster 'lab': expected the keys"):
+        costmodel.load_clusters(mine)
+    mine.write_text("[lab\n")
+    with pytest.raises(ValueError, match="--cluster-file"):
+        costmodel.load_clusters(mine)

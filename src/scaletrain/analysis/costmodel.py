@@ -14,7 +14,7 @@ Formulas and what they assume:
   needs the cores backward uses).
 - **compression** (ratio c, encode+decode e seconds per step): the same with G / c, plus e.
   Compressors that all-gather instead of all-reduce (top-k, sign) send (W-1) G / c: their
-  cost grows with W.
+  cost grows with W. Over nodes: ``(G-1) (lat + p / intra_bw) + (k-1) (lat + G p / bw)``.
 - **local_sgd / diloco** every H steps: ``step = compute + comm / H``.
 - **ps** with K server shards: every worker pushes and pulls G per step; its own link carries
   2G, and the busiest server link ``2 W G / K``: ``comm = 2 lat + max(2G, 2WG/K) / bw``.
@@ -23,11 +23,24 @@ Formulas and what they assume:
 - **pipeline** (P stages, M microbatches): ``step = compute / P x (M + P - 1) / M`` plus
   ``2 (M + P - 2)`` activation hops of latency; the bubble is (P-1)/(M+P-1).
 
+**Nodes of several devices** (``gpus_per_node`` G > 1, ``intra_bandwidth``: each device's
+bandwidth to the others of its node; ``bandwidth`` is then the node's, shared by its G
+devices): an all-reduce over W = k nodes x G devices is hierarchical, as NCCL's and Horovod's
+are: a reduce-scatter within each node, G concurrent all-reduces of M / G bytes across the k
+nodes (together 2 (k-1)/k M through each node's link), an all-gather within each node:
+``comm = 2 (G-1) lat + 2 (G-1)/G M / intra_bw + 2 (k-1) lat + 2 (k-1)/k M / bw`` (a world
+within one node: the ring on intra_bw alone). One latency for every hop (intra-node hops
+are faster: this over-counts latency within a node). Local SGD's and the compressors'
+all-reduces use it too; a parameter server's workers share their node's link (each pushes
+and pulls through bw / G), its servers have links of their own at bw; a pipeline's stages
+talk over bw.
+
 Every worker is assumed to have its own compute (a device, or its own cores) and its own
-link at ``bandwidth``. ``cores`` (optional) says instead that the workers share one host of
-that many cores: compute then slows by the measured ``colocated_slowdown`` (2 workers that
-never synchronize, against 1 alone) and by ``W x threads / cores`` when they oversubscribe it,
-which is what happens on this 2-core machine beyond 2 workers. Noise, stragglers and the
+link at ``bandwidth`` (or its node's share of it). ``cores`` (optional) says instead that the
+workers share one host of that many cores: compute then slows by the measured
+``colocated_slowdown`` (2 workers that never synchronize, against 1 alone) and by ``W x
+threads / cores`` when they oversubscribe it, which is what happens on this 2-core machine
+beyond 2 workers. Noise, stragglers and the
 slowest worker's wait are not modelled.
 
 **Many processes on few cores, compute elsewhere** (``cores`` and ``cpu_s``: the host CPU one
@@ -57,9 +70,13 @@ KB.
 from __future__ import annotations
 
 import json
+import re
 import statistics
+import tomllib
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from scaletrain.io import read_jsonl
 
@@ -91,6 +108,10 @@ class Calibration:
     # K of them servers, the CPU a worker spends in a round's push and pull, the CPU a server
     # spends per push, the slowdown of a worker's other host work).
     ps_host: tuple[tuple[int, int, float, float, float], ...] = ()
+    # Devices per node and each one's bandwidth to its node's others (bytes/s): with more
+    # than one, ``bandwidth_Bps`` is a node's link, and all-reduces are hierarchical.
+    gpus_per_node: int = 1
+    intra_bandwidth_Bps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -118,18 +139,42 @@ def fit_link(sizes: list[int], seconds: list[float], workers: int) -> tuple[floa
     return max(intercept, 0.0) / (2 * (workers - 1)), bandwidth
 
 
-def allreduce_s(nbytes: float, workers: int, cal: Calibration) -> float:
-    if workers <= 1:
+def ring_s(nbytes: float, ranks: int, latency_s: float, bandwidth_Bps: float) -> float:
+    """A ring all-reduce of ``nbytes`` over ``ranks``, each with its own link."""
+    if ranks <= 1:
         return 0.0
-    return (
-        2 * (workers - 1) * cal.latency_s + 2 * (workers - 1) / workers * nbytes / cal.bandwidth_Bps
-    )
+    return 2 * (ranks - 1) * latency_s + 2 * (ranks - 1) / ranks * nbytes / bandwidth_Bps
+
+
+def allreduce_s(nbytes: float, workers: int, cal: Calibration) -> float:
+    """Flat ring, or hierarchical over nodes of ``gpus_per_node`` devices (the docstring)."""
+    g = cal.gpus_per_node
+    if g <= 1:
+        return ring_s(nbytes, workers, cal.latency_s, cal.bandwidth_Bps)
+    within = ring_s(nbytes, min(g, workers), cal.latency_s, cal.intra_bandwidth_Bps)
+    return within + ring_s(nbytes, nodes(workers, cal), cal.latency_s, cal.bandwidth_Bps)
+
+
+def nodes(workers: int, cal: Calibration) -> int:
+    return -(-workers // max(cal.gpus_per_node, 1))
+
+
+def worker_link_Bps(cal: Calibration) -> float:
+    """A worker's share of its node's link."""
+    return cal.bandwidth_Bps / max(cal.gpus_per_node, 1)
 
 
 def allgather_s(nbytes: float, workers: int, cal: Calibration) -> float:
+    """Every worker receives the other W-1 payloads; over nodes, a node's link brings in its
+    G devices' share of the other nodes' payloads."""
     if workers <= 1:
         return 0.0
-    return (workers - 1) * (cal.latency_s + nbytes / cal.bandwidth_Bps)
+    g = cal.gpus_per_node
+    if g <= 1:
+        return (workers - 1) * (cal.latency_s + nbytes / cal.bandwidth_Bps)
+    within = (min(g, workers) - 1) * (cal.latency_s + nbytes / cal.intra_bandwidth_Bps)
+    k = nodes(workers, cal)
+    return within + (k - 1) * (cal.latency_s + g * nbytes / cal.bandwidth_Bps)
 
 
 def compute_s(cal: Calibration, workers: int) -> float:
@@ -213,8 +258,8 @@ def predict_local_sgd(cal: Calibration, workers: int, sync_every: int) -> Predic
 def predict_ps(cal: Calibration, workers: int, servers: int) -> Prediction:
     compute = compute_s(cal, workers)
     g = cal.grad_bytes
-    busiest = max(2 * g, 2 * workers * g / servers)
-    comm = 2 * cal.latency_s + busiest / cal.bandwidth_Bps
+    worker_link = 2 * g / worker_link_Bps(cal)
+    comm = 2 * cal.latency_s + max(worker_link, 2 * workers * g / servers / cal.bandwidth_Bps)
     step = compute + comm
     if host_bound(cal) and cal.ps_host:  # bsp rounds on the shared cores
         step = bsp_round(cal, workers, servers, comm)
@@ -315,3 +360,78 @@ def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
         f"predict: cannot read method {method!r}; use ddp, local_sgd:H, ps:K, "
         "compressed:RATIO[:ENCODE_MS] or pipeline:P:M"
     )
+
+
+# Units of a description (scaletrain predict without a run).
+
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_COUNT_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str, what: str = "count") -> int:
+    """'25.6M' -> 25_600_000; '7B', '1.5T', '350k', '1e8', '1_000_000' as written."""
+    match = re.fullmatch(r"([0-9_]*\.?[0-9_]+(?:e[+-]?\d+)?)\s*([kmbgt]?)", text.strip().lower())
+    if not match:
+        raise ValueError(f"{what}: expected a number such as 25.6M, 7B or 1e8, got {text!r}")
+    value = float(match.group(1).replace("_", "")) * _COUNT_SUFFIX[match.group(2)]
+    if value < 1:
+        raise ValueError(f"{what}: must be at least 1, got {text!r}")
+    return round(value)
+
+
+def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
+    """Bytes per second from bits ('10gbit', '100Gb/s', '400Gbps') or bytes ('900GB/s',
+    '25GBps', '1.5TB/s'): a lower-case b (or 'bit') counts bits, an upper-case B bytes."""
+    match = re.fullmatch(
+        r"(\d+(?:\.\d+)?(?:e[+-]?\d+)?)\s*([kKmMgGtT]?)(bit|b|B)(?:/s|ps)?", text.strip()
+    )
+    if not match:
+        raise ValueError(
+            f"{what}: expected bits (10gbit, 100Gb/s) or bytes (900GB/s), got {text!r}"
+        )
+    value = float(match.group(1)) * _PREFIX[match.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"{what}: must be above 0, got {text!r}")
+    return value if match.group(3) == "B" else value / 8
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A named cluster (clusters.toml): what one node is and how nodes are linked."""
+
+    name: str
+    description: str
+    gpus_per_node: int
+    intra_bandwidth_Bps: float  # each device to the others of its node, one direction
+    bandwidth_Bps: float  # a node's link to the others, one direction
+    latency_us: float
+    sources: tuple[str, ...]
+
+
+def load_clusters(extra: Path | None = None) -> dict[str, Cluster]:
+    """The presets shipped in clusters.toml, with ``extra``'s (a TOML file of the same
+    form) added over them: a table per cluster, its keys those of ``Cluster``, bandwidths
+    as text ('450GB/s', '3200gbit')."""
+    text = resources.files("scaletrain.analysis").joinpath("clusters.toml").read_text()
+    tables = dict(tomllib.loads(text))
+    if extra is not None:
+        try:
+            tables |= tomllib.loads(extra.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ValueError(f"--cluster-file {extra}: {e}") from None
+    return {name: _cluster(name, table) for name, table in tables.items()}
+
+
+def _cluster(name: str, table: Any) -> Cluster:
+    keys = {"description", "gpus_per_node", "intra_bandwidth", "bandwidth", "latency_us",
+            "sources"}  # fmt: skip
+    if not isinstance(table, dict) or set(table) != keys:
+        raise ValueError(f"cluster {name!r}: expected the keys {sorted(keys)}")
+    return Cluster(
+        name=name, description=str(table["description"]),
+        gpus_per_node=int(table["gpus_per_node"]),
+        intra_bandwidth_Bps=parse_bandwidth(str(table["intra_bandwidth"]),
+                                            f"{name}.intra_bandwidth"),
+        bandwidth_Bps=parse_bandwidth(str(table["bandwidth"]), f"{name}.bandwidth"),
+        latency_us=float(table["latency_us"]), sources=tuple(map(str, table["sources"])),
+    )  # fmt: skip
