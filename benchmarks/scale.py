@@ -71,7 +71,10 @@ def ps(w: int) -> Overrides | None:
 # mode -> world size -> the mode's flags (None: the mode cannot run at that size).
 MODES: dict[str, Callable[[int], Overrides | None]] = {
     "ddp": lambda w: {},
-    "fsdp": lambda w: {"strategy": "fsdp"},
+    # fsdp and fsdp x tp run fewer epochs: nothing predicts their steps, and they are the
+    # slowest (at 32, 0.8 s and 3.4 s a step: fsdp x tp's run alone took 377 s of a
+    # 36-minute make scale at 4 epochs). Their step is the median after the first 3 steps.
+    "fsdp": lambda w: {"strategy": "fsdp", "epochs": 2},
     "local_sgd": lambda w: {"strategy": "local_sgd", "sync_every": 4},
     "diloco": lambda w: {"strategy": "diloco", "sync_every": 4},
     "ps": ps,
@@ -80,7 +83,9 @@ MODES: dict[str, Callable[[int], Overrides | None]] = {
         None if w < 2 or w % 2 else {"strategy": "pipeline", "stages": 2, "microbatches": 2}
     ),
     "fsdp_tp": lambda w: (
-        None if w < 2 or w % 2 else {"strategy": "fsdp", "tp": 2, "model": "transformer"}
+        None
+        if w < 2 or w % 2
+        else {"strategy": "fsdp", "tp": 2, "model": "transformer", "epochs": 1}
     ),
     "balance": lambda w: {"balance": "speed", "balance_every": 5},
 }

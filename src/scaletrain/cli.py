@@ -142,6 +142,24 @@ def build_parser() -> argparse.ArgumentParser:
                          help="per-message latency (default 30)")  # fmt: skip
     # The model whose parameters --params would give, counted (its config flags only).
     add_config_flags(predict, exclude=frozenset(leaf_fields()) - PREDICT_MODEL_FLAGS)
+    predict.add_argument(
+        "--node-mtbf-h", type=float, default=None,
+        help="a node's mean time between failures, hours (default: 7.9 h x 1,024 GPUs per "
+             "GPU, published for 1,024-GPU jobs, over --gpus-per-node)",
+    )  # fmt: skip
+    predict.add_argument(
+        "--checkpoint-s", type=float, default=None,
+        help="what a checkpoint blocks training (default: the run's measured saves; without a "
+             "run 12 bytes a parameter, weights and Adam's moments, at 1 GB/s)",
+    )  # fmt: skip
+    predict.add_argument(
+        "--restart-s", type=float, default=300.0,
+        help="a failed node's way back: replaced, started, rendezvous, state loaded (default 300)",
+    )  # fmt: skip
+    predict.add_argument(
+        "--pause-s", type=float, default=5.0,
+        help="in place: the survivors' pause at each failure, new quorum (default 5)",
+    )  # fmt: skip
     predict.add_argument("--json", action="store_true",
                          help="print the predictions as a JSON list, nothing else")  # fmt: skip
     predict.add_argument(
@@ -339,7 +357,30 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
     )  # fmt: skip
 
 
+def plan_failures_for(args: argparse.Namespace, cal: Any, workers: int) -> Any:
+    """predict's failure plan at ``workers`` (costmodel.plan_failures), its defaults filled
+    into ``args`` (node_mtbf_h_used, checkpoint_s_used) for the summary line."""
+    from scaletrain.analysis import costmodel
+
+    mtbf_h = args.node_mtbf_h
+    if mtbf_h is None:
+        mtbf_h = costmodel.DEVICE_MTBF_H / cal.gpus_per_node
+    checkpoint_s = args.checkpoint_s
+    if checkpoint_s is None:
+        measured = args.calibrate and costmodel.measured_checkpoint_s(Path(args.calibrate))
+        params = costmodel.parse_count(args.params) if args.params else cal.grad_bytes / 4
+        checkpoint_s = measured or 12 * params / 1e9
+    for name, value in (("--node-mtbf-h", mtbf_h), ("--checkpoint-s", checkpoint_s),
+                        ("--restart-s", args.restart_s), ("--pause-s", args.pause_s)):  # fmt: skip
+        if value < 0 or (name == "--node-mtbf-h" and value == 0):
+            raise ValueError(f"predict: {name} must be above 0, got {value:g}")
+    args.node_mtbf_h_used, args.checkpoint_s_used = mtbf_h, checkpoint_s
+    return costmodel.plan_failures(workers, cal.gpus_per_node, mtbf_h * 3600, checkpoint_s,
+                                   args.restart_s, args.pause_s)  # fmt: skip
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     from rich import box
@@ -359,9 +400,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
             predictions.append(costmodel.predict_method(cal, method, workers))
             if method.startswith("pipeline"):
                 break
+    failures = {w: plan_failures_for(args, cal, w) for w in worker_counts}
     if args.json:
         print(json.dumps([{"method": p.method, "workers": p.workers, "step_s": p.step_s,
-                           "samples_per_s": p.samples_per_s, "efficiency": p.efficiency}
+                           "samples_per_s": p.samples_per_s, "efficiency": p.efficiency,
+                           "failures": dataclasses.asdict(failures[p.workers])}
                           for p in predictions], indent=1))  # fmt: skip
         return 0
     bandwidth = f"{cal.bandwidth_Bps * 8 / 1e9:g} Gbit/s"
@@ -394,6 +437,26 @@ def cmd_predict(args: argparse.Namespace) -> int:
         f"assumes: {shared} and a link at the bandwidth; {hierarchy}; no stragglers or noise; "
         "ps is synchronous with the busiest server link as its bound; see "
         "scaletrain/analysis/costmodel.py for every formula",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    losses = Table(title="failures: goodput (hours lost a day), restart against in place",
+                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)  # fmt: skip
+    for column in ("W", "nodes", "job MTBF", "ckpt every", "restart", "in place"):
+        losses.add_column(column, no_wrap=True)
+    for f in failures.values():
+        losses.add_row(str(f.workers), str(f.nodes), f"{f.job_mtbf_s / 3600:,.1f} h",
+                       f"{f.checkpoint_interval_s / 60:,.1f} min",
+                       f"{f.goodput_restart:.1%} ({f.lost_h_per_day_restart:.2f} h)",
+                       f"{f.goodput_inplace:.1%} ({f.lost_h_per_day_inplace:.2f} h)")  # fmt: skip
+    console.print(losses)
+    first = next(iter(failures.values()))
+    console.print(
+        f"failures: a node fails every {args.node_mtbf_h_used:,.0f} h on average, "
+        f"independently; a checkpoint blocks {args.checkpoint_s_used:.1f} s, every Young/Daly "
+        f"interval sqrt(2 x checkpoint x job MTBF); a failed node is back in "
+        f"{args.restart_s:g} s; in place, the survivors pause {args.pause_s:g} s a failure. "
+        f"First order: only while intervals and restarts are short against the job's MTBF "
+        f"({first.job_mtbf_s / 3600:,.1f} h at W={first.workers})",
         highlight=False, soft_wrap=True,
     )  # fmt: skip
     if args.cluster:

@@ -46,11 +46,15 @@ def test_sweep_table_csv_and_a_point_that_cannot_run(tmp_path):
                      "--workers", "8,1024", "--bandwidth", "10gbit",
                      "--methods", "ddp,local_sgd:8,ps:4", timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    lines = [line.split() for line in result.stdout.splitlines()]
+    steps, failures = result.stdout.split("failures: goodput")
+    lines = [line.split() for line in steps.splitlines()]
     assert [row[:2] for row in lines if row and row[0] in ("8", "1024")] == [
         ["8", "ddp"], ["1024", "ddp"], ["8", "local_sgd"], ["1024", "local_sgd"],
         ["8", "ps"], ["1024", "ps"]]  # fmt: skip
     assert "assumes:" in result.stdout
+    # The failures' table: a row for each W, of W nodes (one device a node).
+    assert [row[:2] for row in (line.split() for line in failures.splitlines())
+            if row and row[0] in ("8", "1024")] == [["8", "8"], ["1024", "1024"]]  # fmt: skip
     # Probing the host the workers share needs to know it is shared.
     result = run_cli("predict", "--calibrate", str(out / "ddp-none-loopback-w1"),
                      "--workers", "8", "--probe-host", timeout=60)  # fmt: skip
@@ -90,7 +94,17 @@ def test_predict_from_a_description_without_a_run(tmp_path):
         ("ddp", 1), ("ddp", 8), ("ddp", 64),
         ("local_sgd H=8", 1), ("local_sgd H=8", 8), ("local_sgd H=8", 64),
     ]  # fmt: skip
-    assert set(rows[0]) == {"method", "workers", "step_s", "samples_per_s", "efficiency"}
+    assert set(rows[0]) == {"method", "workers", "step_s", "samples_per_s", "efficiency",
+                            "failures"}  # fmt: skip
+    # Failures: a DGX A100 node every 7.9 h x 1,024 / 8 on average (the default); at 64
+    # devices the job's MTBF is an eighth of that; checkpoints of 12 bytes a parameter at
+    # 1 GB/s.
+    failures = rows[2]["failures"]
+    assert failures["job_mtbf_s"] == pytest.approx(7.9 * 1024 / 8 / 8 * 3600)
+    assert failures["checkpoint_interval_s"] == pytest.approx(
+        (2 * 12 * 25.6e6 / 1e9 * failures["job_mtbf_s"]) ** 0.5
+    )
+    assert 0 < failures["goodput_restart"] < failures["goodput_inplace"] < 1
     assert rows[0]["step_s"] == pytest.approx(0.1) and rows[0]["samples_per_s"] == pytest.approx(
         320
     )
@@ -112,8 +126,8 @@ def test_predict_from_a_description_without_a_run(tmp_path):
     model = {"model": "cnn", "dataset": "synthetic", "width": 8}
     task = build_task(with_overrides(RunConfig(), model))
     count = sum(p.numel() for p in task.model.parameters())
-    by_model = run_cli("predict", *described[3:], "--model", "cnn", "--dataset", "synthetic", "--width",
-                       "8", "--json")  # fmt: skip
+    by_model = run_cli("predict", *described[3:], "--model", "cnn", "--dataset", "synthetic",
+                       "--width", "8", "--json")  # fmt: skip
     by_count = run_cli(*described[:2], str(count), *described[3:], "--json")
     assert by_model.returncode == 0, by_model.stderr
     assert json.loads(by_model.stdout) == json.loads(by_count.stdout)
@@ -128,6 +142,7 @@ def test_predict_from_a_description_without_a_run(tmp_path):
         ([*described, "--bandwidth", "fast"], "--bandwidth: expected bits"),
         ([*described, "--overlap", "2"], "--overlap is a share"),
         ([*described, "--model", "cnn"], "--params gives the count"),
+        ([*described, "--node-mtbf-h", "0"], "--node-mtbf-h must be above 0"),
     ]:
         result = run_cli(*args)
         assert result.returncode == 2 and "error:" in result.stderr, (args, result.stderr)

@@ -214,3 +214,24 @@ def test_cluster_presets_parse_and_a_users_file_adds_to_them(tmp_path):
     mine.write_text("[lab\n")
     with pytest.raises(ValueError, match="--cluster-file"):
         costmodel.load_clusters(mine)
+
+
+def test_failures_in_the_plan_by_hand():
+    """64 devices in 8 nodes of 8, each node failing every 800 h: the job every 100 h =
+    360,000 s. Checkpoints blocking 50 s go every sqrt(2 x 50 x 360,000) = 6,000 s; restart
+    loses 50/6000 + 6000/(2 x 360,000) + 300/360,000 of the time. In place: each failure
+    pauses everyone 5 s and takes 8 of 64 devices out for 300 s."""
+    f = costmodel.plan_failures(64, 8, 800 * 3600, checkpoint_s=50, restart_s=300, pause_s=5)
+    assert (f.nodes, f.job_mtbf_s) == (8, 360_000)
+    assert f.checkpoint_interval_s == pytest.approx(6000)
+    lost = 50 / 6000 + 6000 / 720_000 + 300 / 360_000
+    assert f.goodput_restart == pytest.approx(1 - lost)
+    assert f.lost_h_per_day_restart == pytest.approx(24 * lost)
+    assert f.goodput_inplace == pytest.approx(1 - (5 + 300 * 8 / 64) / 360_000)
+    # Ten times the nodes: failures ten times as often, restart loses more than in place does.
+    big = costmodel.plan_failures(640, 8, 800 * 3600, checkpoint_s=50, restart_s=300, pause_s=5)
+    assert big.job_mtbf_s == pytest.approx(36_000)
+    assert big.goodput_restart < f.goodput_restart and big.goodput_inplace < f.goodput_inplace
+    assert 1 - big.goodput_restart > 5 * (1 - big.goodput_inplace)
+    # Failures faster than restarts: nothing useful, not a negative share.
+    assert costmodel.plan_failures(64, 8, 3600, 50, 3000, 5).goodput_restart == 0.0

@@ -35,6 +35,15 @@ all-reduces use it too; a parameter server's workers share their node's link (ea
 and pulls through bw / G), its servers have links of their own at bw; a pipeline's stages
 talk over bw.
 
+**Failures** (``plan_failures``): nodes fail independently, each every ``node_mtbf`` on
+average, so a job of k nodes every M = node_mtbf / k. Restart from a checkpoint that blocks
+delta seconds, taken every tau = sqrt(2 delta M) (Young/Daly, as --checkpoint-every auto),
+with R seconds for a failed node's way back: the share of time lost is ``delta / tau + tau /
+(2 M) + R / M``. In place (nothing rolls back): every failure pauses the survivors p seconds
+and takes a node's G devices out for R: ``(p + R G / W) / M``; it assumes that never every
+replica fails at once. Goodput is one minus the share (first order: valid while tau and R
+are short against M; never below 0).
+
 Every worker is assumed to have its own compute (a device, or its own cores) and its own
 link at ``bandwidth`` (or its node's share of it). ``cores`` (optional) says instead that the
 workers share one host of that many cores: compute then slows by the measured
@@ -336,6 +345,14 @@ def calibrate_run(run_dir: Path, warmup: int = 3) -> dict[str, float]:
     }
 
 
+def measured_checkpoint_s(run_dir: Path) -> float | None:
+    """The mean time a checkpoint blocked rank 0's step in a finished run (None: it saved
+    none)."""
+    saves = [r["checkpoint_s"] for r in read_jsonl(run_dir / "metrics.jsonl")
+             if r["rank"] == 0 and r.get("checkpoint_s")]  # fmt: skip
+    return statistics.mean(saves) if saves else None
+
+
 def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
     """``ddp``, ``local_sgd:H``, ``ps:K``, ``compressed:RATIO[:ENCODE_MS]`` (an all-reduce
     compressor such as PowerSGD), ``pipeline:P:M`` (workers ignored: one pipeline of P)."""
@@ -360,6 +377,51 @@ def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
         f"predict: cannot read method {method!r}; use ddp, local_sgd:H, ps:K, "
         "compressed:RATIO[:ENCODE_MS] or pipeline:P:M"
     )
+
+
+# Failures in the plan: goodput against the job's size.
+
+# Published: jobs of 1,024 GPUs on Meta's research clusters failed every 7.9 h on average
+# (Kokolis et al. 2024, "Revisiting Reliability in Large-Scale Machine Learning Research
+# Clusters"): about 8,100 h per GPU. Llama 3's pre-training (Meta 2024, "The Llama 3 Herd of
+# Models": 419 unexpected interruptions in 54 days on 16,384 GPUs) is about 50,700 h per GPU.
+# The default takes the first, the more frequent.
+DEVICE_MTBF_H = 7.9 * 1024
+
+
+@dataclass(frozen=True)
+class FailurePlan:
+    """What failures cost a job of ``workers`` devices, nodes of ``gpus_per_node``, each
+    node failing independently every ``node_mtbf_s`` on average (so the job every
+    node_mtbf_s / nodes). Restart from a checkpoint: checkpoints every Young/Daly interval
+    (fault/interval.py, as --checkpoint-every auto) at ``checkpoint_s`` each; a failure
+    loses half an interval of work on average and ``restart_s`` of everyone's time.
+    In place: no rollback; each failure pauses the survivors ``pause_s`` and takes the
+    node's devices out for ``restart_s`` (until they are back and healed)."""
+
+    workers: int
+    nodes: int
+    job_mtbf_s: float
+    checkpoint_interval_s: float
+    goodput_restart: float  # share of the time spent on useful steps
+    goodput_inplace: float
+    lost_h_per_day_restart: float
+    lost_h_per_day_inplace: float
+
+
+def plan_failures(workers: int, gpus_per_node: int, node_mtbf_s: float, checkpoint_s: float,
+                  restart_s: float, pause_s: float) -> FailurePlan:  # fmt: skip
+    from scaletrain.fault.interval import optimal_interval_s, predicted_overhead
+
+    n = -(-workers // max(gpus_per_node, 1))
+    mtbf = node_mtbf_s / n
+    interval = optimal_interval_s(checkpoint_s, mtbf)
+    restart = predicted_overhead(checkpoint_s, interval, mtbf) + restart_s / mtbf
+    # A node's devices are out for restart_s: the job runs on the others meanwhile.
+    inplace = (pause_s + restart_s * min(gpus_per_node, workers) / workers) / mtbf
+    good_restart, good_inplace = max(0.0, 1 - restart), max(0.0, 1 - inplace)
+    return FailurePlan(workers, n, mtbf, interval, good_restart, good_inplace,
+                       24 * (1 - good_restart), 24 * (1 - good_inplace))  # fmt: skip
 
 
 # Units of a description (scaletrain predict without a run).
