@@ -292,6 +292,16 @@ def mean_step_s(out: Path) -> float:
 PREDICTED = {"ddp": "ddp", "local_sgd": "local_sgd:4", "ps": "ps"}
 
 
+def sleeping_device_waits() -> int:
+    """Wake-ups of the host in a step of the runs' model on the sleeping device."""
+    import torch
+    from sleeping_device import device_waits
+
+    from scaletrain.models.mlp import build_mlp
+
+    return device_waits(build_mlp((8, 8), 10, width=16), torch.zeros(2, 8, 8))
+
+
 def check_predictions(root: Path, worlds: list[int], modes: list[str]) -> list[dict[str, Any]]:
     """The cost model, calibrated from the 1-worker ddp run and a probe of this host at each W
     (analysis/probe.py: W processes that sleep the device's time, do a step's host work and
@@ -306,7 +316,8 @@ def check_predictions(root: Path, worlds: list[int], modes: list[str]) -> list[d
         return []
     m = costmodel.calibrate_run(root / "ddp-w1")
     device_s = m["compute_s"] - m["cpu_s"]
-    host = probe_host(device_s, big)
+    # The host work cut into the sleeping device's wake-ups of a step (its layers' sleeps).
+    host = probe_host(device_s, big, pieces=sleeping_device_waits())
     # ps runs bsp here: its rounds probed as such, with the servers make scale gives each W.
     ps_host = probe_ps(device_s, [(w, (ps(w) or {})["num_servers"]) for w in big]) \
         if "ps" in wanted else ()  # fmt: skip
@@ -317,8 +328,9 @@ def check_predictions(root: Path, worlds: list[int], modes: list[str]) -> list[d
     )  # fmt: skip
     print(f"\nthe cost model at scale: calibrated from ddp-w1 ({m['compute_s'] * 1e3:.1f} ms a "
           f"step, {m['cpu_s'] * 1e3:.2f} ms of it host CPU); the host probed at W: "
-          + ", ".join(f"W={w} all-reduce {c * 1e3:.1f} ms CPU, host work x{f:.2f}"
-                      for w, c, f in host)
+          + ", ".join(f"W={p.world} all-reduce {p.collective_cpu_s * 1e3:.1f} ms CPU, host "
+                      f"work x{p.slowdown:.2f}, free steps' x{p.free_slowdown:.2f} and "
+                      f"{p.free_wait_s * 1e3:.1f} ms waiting" for p in host)
           + "".join(f"; ps W={w} K={k}: push and pull {x * 1e3:.2f} ms CPU a worker, "
                     f"{y * 1e3:.2f} ms a push a server, host work x{f:.2f}"
                     for w, k, x, y, f in ps_host))  # fmt: skip

@@ -38,19 +38,33 @@ DEVICE_MS = "SCALETRAIN_DEVICE_MS"  # per sample, forward; backward sleeps twice
 SLOW_DIR = "SCALETRAIN_DEVICE_SLOW_DIR"  # rank<R> there: rank R's device is that much slower
 
 
+SLEEPS = [0]  # sleeps so far in this process (device_waits counts a step's)
+
+
 class DeviceTime(torch.autograd.Function):
     """Identity that sleeps ``seconds`` in forward and twice that in backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
         ctx.seconds = seconds
+        SLEEPS[0] += 1
         time.sleep(seconds)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        SLEEPS[0] += 1
         time.sleep(2 * ctx.seconds)
         return grad, None
+
+
+def device_waits(model: nn.Module, inputs: torch.Tensor) -> int:
+    """How many times a step of ``model`` on this device sleeps, each sleep a wake-up of the
+    host (the cost model's host probe cuts a step's host work into as many pieces)."""
+    add_device_time(model, 0.0)
+    before = SLEEPS[0]
+    model(inputs).sum().backward()
+    return SLEEPS[0] - before
 
 
 def add_device_time(model: nn.Module, ms_per_sample: float, slow_file: Path | None = None) -> None:

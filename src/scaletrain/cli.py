@@ -339,7 +339,7 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
             **link,
         )  # fmt: skip
     measured = costmodel.calibrate_run(Path(args.calibrate))
-    host: tuple[tuple[int, float, float], ...] = ()
+    host: tuple[Any, ...] = ()
     if args.probe_host:
         if not args.cores:
             raise ValueError("--probe-host probes the host the workers share: give --cores")

@@ -7,8 +7,9 @@ from scaletrain.analysis.probe import probe_host, probe_ps
 
 
 def test_the_probes_measure_the_cpu_of_collectives_and_of_parameter_server_rounds():
-    [(world, collective, slowdown)] = probe_host(0.002, [2])
-    assert world == 2 and 0 < collective < 1 and slowdown > 0
+    [probed] = probe_host(0.002, [2], pieces=4)
+    assert probed.world == 2 and 0 < probed.collective_cpu_s < 1 and probed.slowdown > 0
+    assert probed.free_slowdown > 0 and 0 <= probed.free_wait_s < 1
     [(world, servers, exchange, per_push, slowdown)] = probe_ps(0.002, [(3, 1)])
     assert (world, servers) == (3, 1)
     assert 0 < exchange < 1 and 0 < per_push < 1 and slowdown > 0

@@ -94,6 +94,22 @@ def test_many_processes_on_few_cores_by_hand():
     assert predict_method(unprobed, "ddp", 8).step_s == pytest.approx(0.08 + 0.08 + link)
 
 
+def test_local_sgd_free_steps_on_a_busy_host_by_hand():
+    """Between synchronizations each process runs free; the probe cut its host work into the
+    device's wake-ups and found it costs 2x alone's CPU at 8 processes, each step waiting 5 ms
+    more for a core: the free steps are the device's 100 ms and that wait, or 8 x 40 ms of
+    CPU on 2 cores, whichever is longer."""
+    probed = costmodel.HostProbe(8, 0.01, 1.5, free_slowdown=2.0, free_wait_s=0.005)
+    c = cal(compute_s=0.1, cpu_s=0.02, cores=2, grad_bytes=0, host=(probed,))
+    synced = predict_method(c, "ddp", 8).step_s
+    free = max(0.1 + 0.005, 8 * 0.02 * 2.0 / 2)
+    assert predict_method(c, "local_sgd:4", 8).step_s == pytest.approx((3 * free + synced) / 4)
+    fast_cpu = cal(compute_s=0.1, cpu_s=0.002, cores=2, grad_bytes=0, host=(probed,))
+    synced = predict_method(fast_cpu, "ddp", 8).step_s
+    expected = (3 * 0.105 + synced) / 4  # the device and the wait
+    assert predict_method(fast_cpu, "local_sgd:4", 8).step_s == pytest.approx(expected)
+
+
 def test_a_bsp_parameter_server_on_few_cores_by_hand():
     """6 workers and 2 servers on 2 cores, their bsp rounds probed (a worker's push and pull
     cost it 4 ms of CPU, a server 3 ms a push; host work 1.5x slower): each round the devices'

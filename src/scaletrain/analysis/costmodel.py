@@ -63,17 +63,21 @@ and the host's (the loop, the all-reduce): W processes of ``cpu_s + collective_c
 share the cores, so ``step = compute_s - cpu_s + max(c, W c / cores) + comm``, c = cpu_s +
 collective_cpu_s. Steps without a collective (local SGD between synchronizations) let the
 processes drift apart, one's host work overlapping another's device work: ``step =
-max(compute_s, W cpu_s / cores)``. A parameter server's processes (W workers, K servers) run
-free the same way, each push costing its worker and its server ``collective_cpu_s / 2`` (a
-point-to-point exchange of the all-reduce's size): ``step = max(compute_s + comm, (W (cpu_s +
-c') + W c') / cores)``, c' = collective_cpu_s / 2. A bsp parameter server probed as such
-(``ps_host``: W workers' and K servers' rounds over its own links, probe.py's probe_ps) is
-synchronous instead: every round the devices work, then the workers' host work and pushes
-and the servers' handling of every push share the cores: ``step = compute_s - cpu_s +
-max(w, (W w + W K s) / cores) + comm``, w = cpu_s x slowdown + a worker's push-and-pull CPU,
-s = a server's CPU per push. The probe is of the host, not of the job: W
-processes that sleep the job's device time, do a step's worth of small ops and all-reduce a few
-KB.
+max(compute_s + wait, W cpu_s f / cores)``, where the probe measured free steps (the host's
+work cut into as many pieces as the device wakes the host a step): f, their host CPU over a
+process alone's (each wake-up on a busy host costs CPU: caches refilled, the scheduler; x2 at
+8-32 processes on this 2-core machine, where the same work in one burst costs no more than
+alone), and wait, the wall time a step waits for a core beyond alone's. A parameter server's
+processes (W workers, K servers) run free the same way, each push costing its worker and its
+server ``collective_cpu_s / 2`` (a point-to-point exchange of the all-reduce's size): ``step =
+max(compute_s + comm, (W (cpu_s + c') + W c') / cores)``, c' = collective_cpu_s / 2. A bsp
+parameter server probed as such (``ps_host``: W workers' and K servers' rounds over its own
+links, probe.py's probe_ps) is synchronous instead: every round the devices work, then the
+workers' host work and pushes and the servers' handling of every push share the cores:
+``step = compute_s - cpu_s + max(w, (W w + W K s) / cores) + comm``, w = cpu_s x slowdown +
+a worker's push-and-pull CPU, s = a server's CPU per push. The probe is of the host, not of
+the job: W processes that sleep the job's device time, do a step's worth of small ops and
+all-reduce a few KB.
 """
 
 from __future__ import annotations
@@ -85,11 +89,24 @@ import tomllib
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from scaletrain.io import read_jsonl
 
 GATHER_COMPRESSORS = ("topk", "sign")
+
+
+class HostProbe(NamedTuple):
+    """The host probed with ``world`` processes (analysis/probe.py's probe_host)."""
+
+    world: int
+    collective_cpu_s: float  # CPU one of them spends in a step's all-reduce
+    slowdown: float  # its other host work's CPU over the same work's in a process alone
+    # Steps that wait for no other process (local SGD between synchronizations), the host
+    # work cut into the device's wake-ups: its CPU over alone's (0: as ``slowdown``), and the
+    # wall time a step waits for the cores beyond alone's.
+    free_slowdown: float = 0.0
+    free_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -108,11 +125,10 @@ class Calibration:
     colocated_slowdown: float = 1.0
     # Many processes on ``cores`` cores whose compute is a device: the host CPU per step of
     # one process alone (the loop and the framework, without communication), and the host
-    # probed at several W (analysis/probe.py's probe_host): (W, the CPU one of W processes
-    # spends in a step's all-reduce, the slowdown of its other host work). 0 / empty: not
-    # modelled.
+    # probed at several W (HostProbe; a plain tuple of its first 3 or more fields will do).
+    # 0 / empty: not modelled.
     cpu_s: float = 0.0
-    host: tuple[tuple[int, float, float], ...] = ()
+    host: tuple[tuple[Any, ...], ...] = ()
     # A bsp parameter server's rounds probed on the host (probe.py's probe_ps): (W processes,
     # K of them servers, the CPU a worker spends in a round's push and pull, the CPU a server
     # spends per push, the slowdown of a worker's other host work).
@@ -200,22 +216,24 @@ def host_bound(cal: Calibration) -> bool:
     return bool(cal.cores and cal.cpu_s)
 
 
-def _probed(cal: Calibration, processes: int) -> tuple[float, float]:
-    """(collective CPU, host-work slowdown) of the probe at the W nearest ``processes``."""
+def _probed(cal: Calibration, processes: int) -> HostProbe:
+    """The probe at the W nearest ``processes`` (slowdowns at least 1)."""
     if processes <= 1 or not cal.host:
-        return 0.0, 1.0
-    _, collective, slowdown = min(cal.host, key=lambda p: abs(p[0] - processes))
-    return collective, max(slowdown, 1.0)
+        return HostProbe(processes, 0.0, 1.0, 1.0, 0.0)
+    p = HostProbe(*min(cal.host, key=lambda p: abs(p[0] - processes)))
+    slowdown = max(p.slowdown, 1.0)
+    free = max(p.free_slowdown, 1.0) if p.free_slowdown else slowdown
+    return p._replace(slowdown=slowdown, free_slowdown=free)
 
 
 def host_cpu(cal: Calibration, processes: int) -> float:
     """One of ``processes`` processes' host CPU per step without communication."""
-    return cal.cpu_s * _probed(cal, processes)[1]
+    return cal.cpu_s * _probed(cal, processes).slowdown
 
 
 def collective_cpu(cal: Calibration, processes: int) -> float:
     """CPU one of ``processes`` processes spends in a step's all-reduce."""
-    return _probed(cal, processes)[0]
+    return _probed(cal, processes).collective_cpu_s
 
 
 def synchronous_step(cal: Calibration, workers: int, comm: float) -> float:
@@ -258,7 +276,9 @@ def predict_local_sgd(cal: Calibration, workers: int, sync_every: int) -> Predic
     comm = allreduce_s(cal.grad_bytes, workers, cal) / sync_every
     step = compute + comm
     if host_bound(cal):  # H-1 steps run free, the H-th synchronizes
-        free = free_step(cal, workers, host_cpu(cal, workers), cal.compute_s)
+        probed = _probed(cal, workers)
+        free = free_step(cal, workers, cal.cpu_s * probed.free_slowdown,
+                         cal.compute_s + probed.free_wait_s)  # fmt: skip
         synced = synchronous_step(cal, workers, comm * sync_every)
         step = ((sync_every - 1) * free + synced) / sync_every
     return _prediction(f"local_sgd H={sync_every}", workers, cal, compute, comm, step)

@@ -7,15 +7,16 @@ prints, on rank 0, one JSON object {bytes: seconds}. ``probe_local`` runs it on 
 ``probe_lab`` on the hosts of a NetworkLab (one process per network namespace), so the
 shaped link is what gets measured.
 
-    python -m scaletrain.analysis.probe RANK WORLD HOST:PORT cpu SLEEP_S
+    python -m scaletrain.analysis.probe RANK WORLD HOST:PORT cpu SLEEP_S [PIECES]
 
 prints instead the CPU seconds one process spends in a small all-reduce that it reaches after
 SLEEP_S of sleep and some host work, as a training step reaches its gradient all-reduce after
 the device's work, and the CPU of that host work (``probe_host``: the cost model's shared-host
-term; the work's CPU grows as more processes share the cores). The processes do not arrive
-together, and gloo's threads hand each message over through the kernel (epoll, futexes): this
-costs about a millisecond of CPU per all-reduce between 2 processes on this 2-core machine, far
-more than the bytes do.
+term; the work's CPU grows as more processes share the cores); then the CPU and wall time of
+steps that wait for no other process, the host work cut into PIECES between as many sleeps.
+The processes do not arrive together, and gloo's threads hand each message over through the
+kernel (epoll, futexes): this costs about a millisecond of CPU per all-reduce between 2
+processes on this 2-core machine, far more than the bytes do.
 
     python -m scaletrain.analysis.probe RANK WORLD HOST:PORT ps SLEEP_S SERVERS
 
@@ -56,19 +57,40 @@ def _group(rank: int, world: int, endpoint: str) -> None:
                             world_size=world)  # fmt: skip
 
 
-def _host_work() -> Callable[[], None]:
-    """A step's host work: small ops, the interpreter between them (one thread)."""
+def _host_work(pieces: int = 1) -> Callable[[], None]:
+    """A step's host work: small ops, the interpreter between them (one thread); with
+    ``pieces`` > 1 the function does one of that many equal parts of it."""
     import torch
 
     torch.set_num_threads(1)
     layer = torch.nn.Linear(32, 32)
     inputs = torch.ones(2, 32)
+    ops = max(1, 20 // pieces)
 
     def work() -> None:
-        for _ in range(20):
+        for _ in range(ops):
             layer(inputs).sum().backward()
 
     return work
+
+
+def free_steps(sleep_s: float, pieces: int, repeats: int) -> tuple[float, float]:
+    """Steps that wait for no other process, as local SGD's between synchronizations: the
+    device's ``sleep_s`` and the step's host work cut into ``pieces`` (the device wakes the
+    host that many times a step: a sleeping device's layers each sleep in forward and in
+    backward). (median CPU seconds of a step, median wall seconds of a step.) Every wake-up
+    on a busy host costs CPU (caches refilled, the scheduler), which one burst of the same
+    work does not show."""
+    part = _host_work(pieces)
+    cpu, wall = [], []
+    for _ in range(repeats):
+        start, clock = time.process_time(), time.perf_counter()
+        for _ in range(pieces):
+            time.sleep(sleep_s / pieces)
+            part()
+        cpu.append(time.process_time() - start)
+        wall.append(time.perf_counter() - clock)
+    return statistics.median(cpu), statistics.median(wall)
 
 
 def measure(rank: int, world: int, endpoint: str, sizes: list[int], repeats: int = 15) -> None:
@@ -93,7 +115,9 @@ def measure(rank: int, world: int, endpoint: str, sizes: list[int], repeats: int
         print(json.dumps(results), flush=True)
 
 
-def measure_cpu(rank: int, world: int, endpoint: str, sleep_s: float, repeats: int = 40) -> None:
+def measure_cpu(
+    rank: int, world: int, endpoint: str, sleep_s: float, pieces: int = 1, repeats: int = 40
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -112,9 +136,15 @@ def measure_cpu(rank: int, world: int, endpoint: str, sleep_s: float, repeats: i
         cpu.append(time.process_time() - middle)
         work.append(middle - start)
     dist.barrier()
+    free_cpu, free_wall = free_steps(sleep_s, pieces, repeats)
+    # Every rank's free steps, not rank 0's alone: they run at once, and each sees the others.
+    frees: list[Any] = [None] * world
+    dist.all_gather_object(frees, (free_cpu, free_wall))
     dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps({"cpu_s": statistics.mean(cpu), "work_s": statistics.median(work)}),
+        print(json.dumps({"cpu_s": statistics.mean(cpu), "work_s": statistics.median(work),
+                          "free_cpu_s": statistics.median(f[0] for f in frees),
+                          "free_step_s": statistics.median(f[1] for f in frees)}),
               flush=True)  # fmt: skip
 
 
@@ -266,17 +296,25 @@ def probe_local(world: int = 2, sizes: tuple[int, ...] = SIZES) -> dict[int, flo
     return _collect(_local(world, sizes))
 
 
-def probe_host(sleep_s: float, worlds: list[int]) -> tuple[tuple[int, float, float], ...]:
-    """For each W of ``worlds``: (W, the CPU seconds one of W processes on this host spends in
-    a small all-reduce that it reaches after ``sleep_s`` and a step's worth of host work, the
-    CPU of that work over the same work's in one process alone): the cost model's
-    ``Calibration.host``."""
+def probe_host(sleep_s: float, worlds: list[int], pieces: int = 1) -> tuple[Any, ...]:
+    """For each W of ``worlds``, the cost model's ``HostProbe``: W processes on this host
+    that sleep ``sleep_s`` a step, do a step's host work and all-reduce a small tensor (the
+    CPU one of them spends in the all-reduce, the CPU of its host work over the same work's
+    in one process alone), then run steps that wait for no other, the host work cut into
+    ``pieces`` between as many sleeps (the device's wake-ups of the host in a step): their
+    CPU over alone's, and the wall time they wait for the cores beyond alone's."""
+    from scaletrain.analysis.costmodel import HostProbe
+
     # One process alone, three times (its figure varies by a third from one start to the next).
-    alone = statistics.median(_output(_local(1, ("cpu", sleep_s)))["work_s"] for _ in range(3))
+    alones = [_output(_local(1, ("cpu", sleep_s, pieces))) for _ in range(3)]
+    work, free_cpu, free_step = (statistics.median(a[k] for a in alones)
+                                 for k in ("work_s", "free_cpu_s", "free_step_s"))  # fmt: skip
     out = []
     for world in worlds:
-        probed = _output(_local(world, ("cpu", sleep_s)))
-        out.append((world, probed["cpu_s"], probed["work_s"] / alone))
+        probed = _output(_local(world, ("cpu", sleep_s, pieces)))
+        out.append(HostProbe(world, probed["cpu_s"], probed["work_s"] / work,
+                             probed["free_cpu_s"] / free_cpu,
+                             max(0.0, probed["free_step_s"] - free_step)))  # fmt: skip
     return tuple(out)
 
 
@@ -313,7 +351,8 @@ if __name__ == "__main__":
         measure_ps(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[5]),
                    int(sys.argv[6]))  # fmt: skip
     elif sys.argv[4:5] == ["cpu"]:
-        measure_cpu(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[5]))
+        measure_cpu(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[5]),
+                    int(sys.argv[6]) if sys.argv[6:] else 1)  # fmt: skip
     else:
         measure(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                 [int(s) for s in sys.argv[4:]] or list(SIZES))  # fmt: skip
