@@ -18,8 +18,8 @@ wrapped), the steady step split into compute (the sleeping device), communicatio
 loop's own overhead, last step to summary.json, a checkpoint's save, peak memory and open
 file descriptors per process. A figure that grows faster than W between 8 and 32 is flagged.
 
-Checks (exit status 1 when one fails): every run completes; at 32, ddp with per-worker batch
-2 ends with the weights of one process with batch 64 (within 1e-5); every run trains every
+Checks (exit status 1 when one fails): every run completes; the 32-worker ddp run (per-worker
+batch 2) ends with the weights of one process with batch 64 (within 1e-5); every run trains every
 sample of every epoch exactly once (--log-sample-ids); in place without faults, every step's
 quorum holds every replica (none heals at every step, its gradients never counted); the cost
 model, calibrated from the 1-worker ddp run and a probe of this host, predicts the mean step
@@ -259,23 +259,18 @@ def growth(rows: list[dict[str, Any]], column: str) -> float | None:
 
 
 def equivalence(root: Path, device_ms: float) -> float:
-    """Max |w32 - w1| over the final weights: 32 workers x 2 against 1 worker x 64."""
+    """Max |w32 - w1| over the final weights: the sweep's 32-worker ddp run (batch 2 each, its
+    all-reduce as measured, not ordered) against 1 worker with batch 64 on the same samples
+    and flags."""
     import torch
 
-    runs = {}
-    for w, batch in ((32, 2), (1, 64)):
-        out = root / f"equal-w{w}"
-        cmd = [sys.executable, "-m", "scaletrain", "run", "--task", TASK, "--dataset", "digits",
-               "--model", "mlp", "--width", "16", "--nproc-per-node", str(w), "--batch-size",
-               str(batch), "--num-samples", "640", "--epochs", "2", "--seed", "3",
-               "--deterministic", "--num-threads", "1", "--timeout-s", "600",
-               "--out", str(out)]  # fmt: skip
-        env = dict(os.environ, SCALETRAIN_DEVICE_MS=str(device_ms))
-        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            print(result.stderr[-2000:])
-            return math.inf
-        runs[w] = torch.load(out / "checkpoints" / "final.pt", weights_only=True)["model"]
+    single = root / "equal-w1"
+    summary = launch(single, 1, {"batch_size": 64, "num_samples": STEPS * 2 * 32}, device_ms)
+    if "error" in summary:
+        print(f"the 1-worker run failed: {summary['error']}")
+        return math.inf
+    runs = {w: torch.load(out / "checkpoints" / "final.pt", weights_only=True)["model"]
+            for w, out in ((32, root / "ddp-w32"), (1, single))}  # fmt: skip
     return max((runs[32][k] - runs[1][k]).abs().max().item() for k in runs[1])
 
 
@@ -446,7 +441,7 @@ def main() -> None:
         from scaletrain.analysis.report import write_report
 
         print(f"report of the ddp runs: {write_report(ddp_runs, Path(args.out) / 'report.html')}")
-    if 32 in worlds and "ddp" in args.modes:
+    if (root / "ddp-w32" / "summary.json").exists():
         diff = equivalence(root, args.device_ms)
         print(
             f"\n32 workers x 2 vs 1 worker x 64: max weight difference {diff:.2e} "
