@@ -165,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument(
         "--methods",
         default="ddp,local_sgd:8,ps:4,compressed:100:10",
-        help="ddp, local_sgd:H, ps:K, compressed:RATIO[:ENCODE_MS], pipeline:P:M",
+        help="ddp, local_sgd:H, ps:K (dedicated servers), ps-colocated, fsdp, hsdp:S (shard "
+        "groups of S), tp:T:ACTIVATION_MB (tensor parallel of T within a node), "
+        "compressed:RATIO[:ENCODE_MS], pipeline:P:M",
     )
     predict.add_argument(
         "--cores", type=int, default=0, help="cores the workers share (0: each has its own)"

@@ -119,6 +119,17 @@ def test_predict_from_a_description_without_a_run(tmp_path):
     slow = json.loads(result.stdout)[2]
     across = 2 * 7 / 8 * 51.2e6 / 12.5e9 + 14 * 10e-6
     assert slow["step_s"] == pytest.approx(0.1 + 2 * 7 / 8 * 51.2e6 / 300e9 + 14e-5 + across)
+    # The sharded, tensor-parallel and co-located methods on the same cluster: HSDP in
+    # node-sized groups moves fewer bytes across nodes than FSDP over all 64.
+    result = run_cli(*described[:-1], "fsdp,hsdp:8,tp:8:100,ps-colocated", "--cluster",
+                     "dgx-a100", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = {(r["method"], r["workers"]): r for r in json.loads(result.stdout)}
+    assert set(rows) == {(m, w) for m in ("fsdp", "hsdp S=8", "tp T=8", "ps co-located")
+                         for w in (1, 8, 64)}  # fmt: skip
+    assert rows["hsdp S=8", 64]["step_s"] < rows["fsdp", 64]["step_s"]
+    assert rows["hsdp S=8", 8]["step_s"] == pytest.approx(rows["fsdp", 8]["step_s"])
+    assert rows["tp T=8", 8]["samples_per_s"] < 8 * 320
     # --params counted from the model that the config flags describe.
     from scaletrain.config import RunConfig, with_overrides
     from scaletrain.task import build_task
@@ -143,6 +154,8 @@ def test_predict_from_a_description_without_a_run(tmp_path):
         ([*described, "--overlap", "2"], "--overlap is a share"),
         ([*described, "--model", "cnn"], "--params gives the count"),
         ([*described, "--node-mtbf-h", "0"], "--node-mtbf-h must be above 0"),
+        ([*described[:-1], "hsdp:3"], "must divide the workers"),
+        ([*described[:-1], "hsdp"], "cannot read method 'hsdp'"),
     ]:
         result = run_cli(*args)
         assert result.returncode == 2 and "error:" in result.stderr, (args, result.stderr)

@@ -251,3 +251,54 @@ def test_failures_in_the_plan_by_hand():
     assert 1 - big.goodput_restart > 5 * (1 - big.goodput_inplace)
     # Failures faster than restarts: nothing useful, not a negative share.
     assert costmodel.plan_failures(64, 8, 3600, 50, 3000, 5).goodput_restart == 0.0
+
+
+def test_fsdp_hsdp_tensor_and_co_located_ps_by_hand():
+    """100 MB of parameters, devices with their own 1 GB/s links, 0.1 ms a message."""
+    flat = cal(overlap=0.0)
+    # FSDP over 4: two all-gathers and a reduce-scatter, each 3 hops of 0.1 ms and 3/4 of
+    # 100 MB at 1 GB/s (75 ms): 1.5x ddp's bytes.
+    fsdp = predict_method(flat, "fsdp", 4)
+    assert fsdp.comm_s == pytest.approx(3 * (3e-4 + 0.075))
+    assert fsdp.step_s == pytest.approx(0.1 + fsdp.comm_s)
+    # 2 nodes of 4 devices (100 GB/s each within, nodes at 10 GB/s). HSDP in groups of 4 (a
+    # node): the shard collectives on the intra links (3 x (3 hops + 75 MB / 100 GB/s)),
+    # then each device all-reduces its 25 MB with its twin in the other node, 4 devices
+    # through the node's link (2 hops, 2 x 1/2 x 25 MB at 10/4 GB/s).
+    nodes = cal(gpus_per_node=4, intra_bandwidth_Bps=100e9, bandwidth_Bps=10e9)
+    hsdp = predict_method(nodes, "hsdp:4", 8)
+    assert hsdp.method == "hsdp S=4"
+    sharded = 3 * (3e-4 + 0.75e8 / 100e9)
+    replicated = 2e-4 + 25e6 / 2.5e9
+    assert hsdp.comm_s == pytest.approx(sharded + replicated)
+    # FSDP over both nodes: the rings cross the nodes' 10 GB/s links: 3 x (7 hops + 7/8 x
+    # 100 MB / 10 GB/s); HSDP moves fewer bytes across nodes.
+    fsdp8 = predict_method(nodes, "fsdp", 8)
+    assert fsdp8.comm_s == pytest.approx(3 * (7e-4 + 0.875e8 / 10e9))
+    assert hsdp.step_s < fsdp8.step_s
+    # A shard group larger than the world: one group of them all (the name as asked).
+    assert predict_method(nodes, "hsdp:4", 2).method == "hsdp S=4"
+    assert predict_method(nodes, "hsdp:4", 2).comm_s == pytest.approx(3 * (1e-4 + 0.5e8 / 100e9))
+    with pytest.raises(ValueError, match="must divide"):
+        predict_method(nodes, "hsdp:3", 8)
+    # Tensor parallel of 4 within each node, 40 MB of activations a step: a group computes a
+    # worker's step in 25 ms and all-reduces the activations on the intra links (6 hops +
+    # 2 x 3/4 x 40 MB / 100 GB/s); the 2 groups all-reduce 25 MB of gradients per device.
+    tp = predict_method(nodes, "tp:4:40", 8)
+    tp_comm = 6e-4 + 1.5 * 40e6 / 100e9
+    assert tp.compute_s == pytest.approx(0.025)
+    assert tp.step_s == pytest.approx(0.025 + tp_comm + replicated)
+    assert tp.samples_per_s == pytest.approx(2 * 32 / tp.step_s)  # 2 groups of one batch each
+    with pytest.raises(ValueError, match="within a node"):
+        predict_method(nodes, "tp:8:40", 16)
+    # A parameter server on every node: the hierarchical all-reduce's bytes, 2 latencies
+    # across nodes instead of 2 (k-1); with 2 nodes that is the same as the ring.
+    colocated = predict_method(nodes, "ps-colocated", 8)
+    within = 6e-4 + 1.5 * 1e8 / 100e9
+    assert colocated.comm_s == pytest.approx(within + 2e-4 + 1e8 / 10e9)
+    assert colocated.comm_s == pytest.approx(predict_method(nodes, "ddp", 8).comm_s)
+    # 64 nodes: 2 latencies against the ring's 126.
+    ring = predict_method(nodes, "ddp", 256).comm_s
+    assert predict_method(nodes, "ps-colocated", 256).comm_s == pytest.approx(ring - 124e-4)
+    with pytest.raises(ValueError, match="cannot read method"):
+        predict_method(nodes, "hsdp", 8)

@@ -20,6 +20,21 @@ Formulas and what they assume:
   2G, and the busiest server link ``2 W G / K``: ``comm = 2 lat + max(2G, 2WG/K) / bw``.
   Synchronous (bsp) timing; asynchronous modes hide it behind compute only when servers keep
   up (not modelled).
+- **ps co-located** (BytePS's co-located case: a server on every node holds 1/k of the
+  parameters): within a node as the hierarchical all-reduce, then each node pushes and pulls
+  the (k-1)/k the others hold: ``2 lat + 2 (k-1)/k M / bw``, a ring's bytes with 2 latencies.
+  The dedicated servers of ``ps`` are scaletrain's bsp rounds: push, then pull once every push
+  is in, so a link carries 2G in sequence (BytePS's pipelined partitions overlap them: M/B).
+- **fsdp** (FSDP / ZeRO-3 over all W): parameters all-gathered in forward and again in
+  backward, gradients reduce-scattered: ``3 ((W-1) lat + (W-1)/W M / b)``, b the intra-node
+  bandwidth when W fits in a node, else the node's link, which a ring spanning nodes crosses
+  once each way (1.5x ddp's bytes). **hsdp:S**: the same within shard groups of S, then the
+  W/S replicas of each shard all-reduce its M/S gradient, a node's devices at once through
+  its link: ``2 (R-1) lat + 2 (R-1)/R min(G, W) M / S / bw``.
+- **tp:T:A** (tensor parallel of T devices within a node, A MB of activations all-reduced a
+  step: 4 per transformer layer of batch x sequence x hidden x bytes): a group of T computes
+  one worker's step in compute/T; ``ring(A, T)`` on the intra-node link, never overlapped;
+  then data parallel across the W/T groups on the 1/T of the gradients each device holds.
 - **pipeline** (P stages, M microbatches): ``step = compute / P x (M + P - 1) / M`` plus
   ``2 (M + P - 2)`` activation hops of latency; the bubble is (P-1)/(M+P-1).
 
@@ -202,6 +217,28 @@ def allgather_s(nbytes: float, workers: int, cal: Calibration) -> float:
     return within + (k - 1) * (cal.latency_s + g * nbytes / cal.bandwidth_Bps)
 
 
+def shard_collective_s(nbytes: float, ranks: int, cal: Calibration) -> float:
+    """One all-gather (or reduce-scatter) of ``nbytes`` in all over ``ranks`` devices, each
+    holding 1/ranks of it, as one ring: ``(n-1) lat + (n-1)/n M / b``, b the device's intra
+    bandwidth when the ranks fit in one node, else the node's link (a ring that spans
+    nodes crosses each node's link once each way; a flat cluster: the device's own link)."""
+    if ranks <= 1:
+        return 0.0
+    within = cal.gpus_per_node > 1 and ranks <= cal.gpus_per_node
+    link = cal.intra_bandwidth_Bps if within else cal.bandwidth_Bps
+    return (ranks - 1) * (cal.latency_s + nbytes / ranks / link)
+
+
+def replicas_allreduce_s(nbytes: float, replicas: int, per_node: int, cal: Calibration) -> float:
+    """``per_node`` devices of a node each all-reduce their own ``nbytes`` with the same
+    device of ``replicas`` other replicas at once (a ring each), all through the node's link
+    (a flat cluster: one device, its own link)."""
+    if replicas <= 1:
+        return 0.0
+    share = cal.bandwidth_Bps / max(per_node, 1)
+    return ring_s(nbytes, replicas, cal.latency_s, share)
+
+
 def compute_s(cal: Calibration, workers: int) -> float:
     """One worker's compute; on a shared host (``cores``) slowed by co-location, and by
     oversubscription when the workers' threads outnumber the cores."""
@@ -311,6 +348,75 @@ def bsp_round(cal: Calibration, workers: int, servers: int, comm: float) -> floa
     return cal.compute_s - cal.cpu_s + max(worker, total / cal.cores) + comm
 
 
+def predict_fsdp(cal: Calibration, workers: int, shard: int = 0) -> Prediction:
+    """FSDP / ZeRO-3 over ``shard`` devices (0: all ``workers``): every step all-gathers the
+    parameters in forward and again in backward, and reduce-scatters the gradients, each a
+    ring over the shard group; with ``shard`` < ``workers`` (HSDP) the W / shard replicas of
+    each shard then all-reduce its gradient, every device of a node at once through the
+    node's link. Parameters and gradients the same size (``grad_bytes``); ``overlap`` the
+    share hidden behind compute (prefetched all-gathers, reduce-scatters behind backward).
+    Fewer workers than ``shard``: one group of them all."""
+    s = workers if shard <= 0 else min(shard, workers)
+    if workers % s:
+        raise ValueError(f"predict: hsdp's shard group ({s}) must divide the workers ({workers})")
+    m = cal.grad_bytes
+    sharded = 3 * shard_collective_s(m, s, cal)
+    per_node = min(max(cal.gpus_per_node, 1), workers)
+    replicated = replicas_allreduce_s(m / s, workers // s, per_node, cal)
+    comm = sharded + replicated
+    compute = compute_s(cal, workers)
+    step = compute + (1 - cal.overlap) * comm
+    name = "fsdp" if shard <= 0 else f"hsdp S={shard}"
+    return _prediction(name, workers, cal, compute, comm, step)
+
+
+def predict_tensor(cal: Calibration, workers: int, degree: int, activation_bytes: float
+                   ) -> Prediction:  # fmt: skip
+    """Tensor parallel (Megatron) of ``degree`` devices within a node, data parallel across
+    the W / degree groups: a group computes one worker's step (the per-worker batch) in
+    1/degree of the time; every step all-reduces ``activation_bytes`` (forward and backward
+    together: 4 per transformer layer of batch x sequence x hidden x bytes) over the group on
+    the intra-node links, on the critical path (no overlap); then each device all-reduces
+    its 1/degree of the gradients with the same device of the other groups (fewer workers
+    than ``degree``: one group of them all)."""
+    name, degree = f"tp T={degree}", min(degree, workers)
+    if degree < 1 or workers % degree:
+        raise ValueError(f"predict: tp's degree ({degree}) must divide the workers ({workers})")
+    if cal.gpus_per_node > 1 and degree > cal.gpus_per_node:
+        raise ValueError(
+            f"predict: tp:{degree} spans nodes of {cal.gpus_per_node} devices; tensor "
+            "parallelism stays within a node"
+        )
+    within = cal.intra_bandwidth_Bps if cal.gpus_per_node > 1 else cal.bandwidth_Bps
+    tp_comm = ring_s(activation_bytes, degree, cal.latency_s, within)
+    groups = workers // degree
+    per_node = min(max(cal.gpus_per_node, 1), workers)
+    dp_comm = replicas_allreduce_s(cal.grad_bytes / degree, groups, per_node, cal)
+    compute = compute_s(cal, workers) / degree
+    step = compute + tp_comm + (1 - cal.overlap) * dp_comm
+    rate = groups * cal.batch_size / step
+    ideal = workers * cal.batch_size / cal.compute_s
+    return Prediction(name, workers, step, compute, tp_comm + dp_comm, rate,
+                      rate / ideal)  # fmt: skip
+
+
+def predict_colocated_ps(cal: Calibration, workers: int) -> Prediction:
+    """A parameter server co-located with the workers, one server per node holding 1/k of
+    the parameters (BytePS's co-located case): within a node the devices reduce and then
+    broadcast as the hierarchical all-reduce does; each node pushes the (k-1)/k of its sum
+    the other nodes' servers hold and pulls as much back: ``2 lat + 2 (k-1)/k M / bw``,
+    the same bytes as a ring all-reduce, with 2 latencies instead of 2 (k-1)."""
+    g = max(cal.gpus_per_node, 1)
+    k = nodes(workers, cal)
+    m = cal.grad_bytes
+    within = ring_s(m, min(g, workers), cal.latency_s, cal.intra_bandwidth_Bps) if g > 1 else 0
+    across = 2 * cal.latency_s + 2 * (k - 1) / k * m / cal.bandwidth_Bps if k > 1 else 0.0
+    comm = within + across
+    compute = compute_s(cal, workers)
+    step = compute + (1 - cal.overlap) * comm
+    return _prediction("ps co-located", workers, cal, compute, comm, step)
+
+
 def predict_pipeline(cal: Calibration, stages: int, microbatches: int) -> Prediction:
     """One pipeline of ``stages`` workers on the per-worker batch of one: the step's compute
     is shared by the stages, stretched by the bubble."""
@@ -374,8 +480,10 @@ def measured_checkpoint_s(run_dir: Path) -> float | None:
 
 
 def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
-    """``ddp``, ``local_sgd:H``, ``ps:K``, ``compressed:RATIO[:ENCODE_MS]`` (an all-reduce
-    compressor such as PowerSGD), ``pipeline:P:M`` (workers ignored: one pipeline of P)."""
+    """``ddp``, ``local_sgd:H``, ``ps:K``, ``ps-colocated``, ``fsdp``, ``hsdp:S`` (shard
+    groups of S), ``tp:T:ACTIVATION_MB`` (tensor parallel of T, that many MB of activations
+    all-reduced a step), ``compressed:RATIO[:ENCODE_MS]`` (an all-reduce compressor such as
+    PowerSGD), ``pipeline:P:M`` (workers ignored: one pipeline of P)."""
     name, *args = method.split(":")
     try:
         numbers = [float(a) for a in args]
@@ -391,11 +499,21 @@ def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
                                        compressor="x"), method=method)  # fmt: skip
         if name == "pipeline" and len(numbers) == 2:
             return predict_pipeline(cal, int(numbers[0]), int(numbers[1]))
-    except ValueError:
-        pass
+        if name == "fsdp" and not numbers:
+            return predict_fsdp(cal, workers)
+        if name == "hsdp" and len(numbers) == 1 and numbers[0] >= 1:
+            return predict_fsdp(cal, workers, int(numbers[0]))
+        if name == "tp" and len(numbers) == 2 and numbers[0] >= 1:
+            return predict_tensor(cal, workers, int(numbers[0]), numbers[1] * 1e6)
+        if name == "ps-colocated" and not numbers:
+            return predict_colocated_ps(cal, workers)
+    except ValueError as e:
+        if str(e).startswith("predict:"):
+            raise
     raise ValueError(
-        f"predict: cannot read method {method!r}; use ddp, local_sgd:H, ps:K, "
-        "compressed:RATIO[:ENCODE_MS] or pipeline:P:M"
+        f"predict: cannot read method {method!r}; use ddp, local_sgd:H, ps:K, ps-colocated, "
+        "fsdp, hsdp:S (shard group), tp:T:ACTIVATION_MB, compressed:RATIO[:ENCODE_MS] or "
+        "pipeline:P:M"
     )
 
 
