@@ -20,9 +20,10 @@ Formulas and what they assume:
   2G, and the busiest server link ``2 W G / K``: ``comm = 2 lat + max(2G, 2WG/K) / bw``.
   Synchronous (bsp) timing; asynchronous modes hide it behind compute only when servers keep
   up (not modelled).
-- **ps co-located** (BytePS's co-located case: a server on every node holds 1/k of the
-  parameters): within a node as the hierarchical all-reduce, then each node pushes and pulls
-  the (k-1)/k the others hold: ``2 lat + 2 (k-1)/k M / bw``, a ring's bytes with 2 latencies.
+- **ps co-located[:K]** (BytePS's co-located case: servers on K of the k nodes, one on each
+  by default, each holding 1/K of the parameters): within a node as the hierarchical
+  all-reduce, then each node pushes its shares and pulls them back, a server's node taking in
+  the other k-1 nodes' 1/K: ``2 lat + 2 (k-1)/K M / bw`` (K = k: a ring's bytes, 2 latencies).
   The dedicated servers of ``ps`` are scaletrain's bsp rounds: push, then pull once every push
   is in, so a link carries 2G in sequence (BytePS's pipelined partitions overlap them: M/B).
 - **fsdp** (FSDP / ZeRO-3 over all W): parameters all-gathered in forward and again in
@@ -49,6 +50,11 @@ are faster: this over-counts latency within a node). Local SGD's and the compres
 all-reduces use it too; a parameter server's workers share their node's link (each pushes
 and pulls through bw / G), its servers have links of their own at bw; a pipeline's stages
 talk over bw.
+
+**Checked against published measurements** (``check_published``, published.toml): every
+row predicted from its source's hardware and its own one-node figure (a device's compute is
+that step less the model's communication within the node), within 15% of the published
+throughput.
 
 **Failures** (``plan_failures``): nodes fail independently, each every ``node_mtbf`` on
 average, so a job of k nodes every M = node_mtbf / k. Restart from a checkpoint that blocks
@@ -400,21 +406,24 @@ def predict_tensor(cal: Calibration, workers: int, degree: int, activation_bytes
                       rate / ideal)  # fmt: skip
 
 
-def predict_colocated_ps(cal: Calibration, workers: int) -> Prediction:
-    """A parameter server co-located with the workers, one server per node holding 1/k of
-    the parameters (BytePS's co-located case): within a node the devices reduce and then
-    broadcast as the hierarchical all-reduce does; each node pushes the (k-1)/k of its sum
-    the other nodes' servers hold and pulls as much back: ``2 lat + 2 (k-1)/k M / bw``,
-    the same bytes as a ring all-reduce, with 2 latencies instead of 2 (k-1)."""
+def predict_colocated_ps(cal: Calibration, workers: int, servers: int = 0) -> Prediction:
+    """A parameter server co-located with the workers, on ``servers`` of the k nodes (0: one
+    on every node), each holding 1/K of the parameters (BytePS's co-located case, and
+    TensorFlow's distributed_replicated): within a node the devices reduce and then
+    broadcast as the hierarchical all-reduce does; a node pushes its sum's shares to the K
+    servers and pulls them back, and a server's node takes in the other k-1 nodes' pushes
+    of its 1/K: ``2 lat + 2 (k-1)/K M / bw``; with K = k, a ring's bytes with 2 latencies."""
     g = max(cal.gpus_per_node, 1)
     k = nodes(workers, cal)
+    shards = k if servers <= 0 else min(servers, k)
     m = cal.grad_bytes
     within = ring_s(m, min(g, workers), cal.latency_s, cal.intra_bandwidth_Bps) if g > 1 else 0
-    across = 2 * cal.latency_s + 2 * (k - 1) / k * m / cal.bandwidth_Bps if k > 1 else 0.0
+    across = 2 * cal.latency_s + 2 * (k - 1) / shards * m / cal.bandwidth_Bps if k > 1 else 0.0
     comm = within + across
     compute = compute_s(cal, workers)
     step = compute + (1 - cal.overlap) * comm
-    return _prediction("ps co-located", workers, cal, compute, comm, step)
+    name = "ps co-located" if servers <= 0 else f"ps co-located K={servers}"
+    return _prediction(name, workers, cal, compute, comm, step)
 
 
 def predict_pipeline(cal: Calibration, stages: int, microbatches: int) -> Prediction:
@@ -480,7 +489,7 @@ def measured_checkpoint_s(run_dir: Path) -> float | None:
 
 
 def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
-    """``ddp``, ``local_sgd:H``, ``ps:K``, ``ps-colocated``, ``fsdp``, ``hsdp:S`` (shard
+    """``ddp``, ``local_sgd:H``, ``ps:K``, ``ps-colocated[:K]``, ``fsdp``, ``hsdp:S`` (shard
     groups of S), ``tp:T:ACTIVATION_MB`` (tensor parallel of T, that many MB of activations
     all-reduced a step), ``compressed:RATIO[:ENCODE_MS]`` (an all-reduce compressor such as
     PowerSGD), ``pipeline:P:M`` (workers ignored: one pipeline of P)."""
@@ -505,13 +514,13 @@ def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
             return predict_fsdp(cal, workers, int(numbers[0]))
         if name == "tp" and len(numbers) == 2 and numbers[0] >= 1:
             return predict_tensor(cal, workers, int(numbers[0]), numbers[1] * 1e6)
-        if name == "ps-colocated" and not numbers:
-            return predict_colocated_ps(cal, workers)
+        if name == "ps-colocated" and len(numbers) <= 1:
+            return predict_colocated_ps(cal, workers, int(numbers[0]) if numbers else 0)
     except ValueError as e:
         if str(e).startswith("predict:"):
             raise
     raise ValueError(
-        f"predict: cannot read method {method!r}; use ddp, local_sgd:H, ps:K, ps-colocated, "
+        f"predict: cannot read method {method!r}; use ddp, local_sgd:H, ps:K, ps-colocated[:K], "
         "fsdp, hsdp:S (shard group), tp:T:ACTIVATION_MB, compressed:RATIO[:ENCODE_MS] or "
         "pipeline:P:M"
     )
@@ -635,3 +644,54 @@ def _cluster(name: str, table: Any) -> Cluster:
         bandwidth_Bps=parse_bandwidth(str(table["bandwidth"]), f"{name}.bandwidth"),
         latency_us=float(table["latency_us"]), sources=tuple(map(str, table["sources"])),
     )  # fmt: skip
+
+
+# Checked against published measurements (published.toml).
+
+
+@dataclass(frozen=True)
+class PublishedCheck:
+    source: str
+    model: str
+    gpus: int
+    published: float  # samples/s of the job (or of one device: per_gpu)
+    predicted: float
+    unit: str
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.published
+
+
+def check_published(path: Path | None = None) -> list[PublishedCheck]:
+    """Every row of published.toml (or ``path``, a file of the same form) predicted from its
+    source's hardware and its own one-node figure: a device's compute is that figure's step
+    less the model's communication within the node; the step at ``gpus`` devices is that
+    compute plus the model's communication there."""
+    text = path.read_text() if path else (
+        resources.files("scaletrain.analysis").joinpath("published.toml").read_text())  # fmt: skip
+    out = []
+    for name, source in tomllib.loads(text).items():
+        for row in source["rows"]:
+            cal = Calibration(
+                compute_s=1.0, batch_size=int(row["batch"]),
+                grad_bytes=round(float(row["params"]) * float(source["bytes_per_param"])),
+                latency_s=float(source["latency_us"]) * 1e-6,
+                bandwidth_Bps=parse_bandwidth(str(source["bandwidth"]), f"{name}.bandwidth"),
+                gpus_per_node=int(source["gpus_per_node"]),
+                intra_bandwidth_Bps=parse_bandwidth(str(source["intra_bandwidth"]),
+                                                    f"{name}.intra_bandwidth"),
+            )  # fmt: skip
+            base, per_gpu = int(row["base_gpus"]), bool(source["per_gpu"])
+            device_rate = float(row["base_rate"]) / (1 if per_gpu else base)
+            base_step = cal.batch_size / device_rate  # every device's step on one node
+            within = predict_method(cal, source["method"], base).step_s - cal.compute_s
+            cal = replace(cal, compute_s=base_step - within)
+            for gpus, rate, servers in row["points"]:
+                method = source["method"] + (f":{servers}" if servers else "")
+                step = predict_method(cal, method, int(gpus)).step_s
+                predicted = cal.batch_size / step * (1 if per_gpu else int(gpus))
+                unit = "per GPU" if per_gpu else "in all"
+                out.append(PublishedCheck(name, str(row["model"]), int(gpus), float(rate),
+                                          predicted, unit))  # fmt: skip
+    return out
