@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="", help="sweep directory (default runs/bench-<time>)")
     add_config_flags(bench, exclude=BENCH_OWN)
     predict = sub.add_parser(
-        "predict", help="predict step time and efficiency at scale",
+        "predict", aliases=["plan"], help="predict step time and efficiency at scale",
         description="Calibrated from a finished 1-worker run (--calibrate), or from a "
                     "description of the model and the cluster (--params and --step-ms).",
     )  # fmt: skip
@@ -359,9 +359,10 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
     )  # fmt: skip
 
 
-def plan_failures_for(args: argparse.Namespace, cal: Any, workers: int) -> Any:
-    """predict's failure plan at ``workers`` (costmodel.plan_failures), its defaults filled
-    into ``args`` (node_mtbf_h_used, checkpoint_s_used) for the summary line."""
+def failure_inputs(args: argparse.Namespace, cal: Any) -> tuple[float, float]:
+    """predict's (node MTBF in hours, checkpoint seconds): the flags, or their defaults (a
+    node of ``cal``'s devices at the published per-device MTBF; the calibrating run's
+    measured saves, else 12 bytes a parameter at 1 GB/s)."""
     from scaletrain.analysis import costmodel
 
     mtbf_h = args.node_mtbf_h
@@ -376,9 +377,7 @@ def plan_failures_for(args: argparse.Namespace, cal: Any, workers: int) -> Any:
                         ("--restart-s", args.restart_s), ("--pause-s", args.pause_s)):  # fmt: skip
         if value < 0 or (name == "--node-mtbf-h" and value == 0):
             raise ValueError(f"predict: {name} must be above 0, got {value:g}")
-    args.node_mtbf_h_used, args.checkpoint_s_used = mtbf_h, checkpoint_s
-    return costmodel.plan_failures(workers, cal.gpus_per_node, mtbf_h * 3600, checkpoint_s,
-                                   args.restart_s, args.pause_s)  # fmt: skip
+    return mtbf_h, checkpoint_s
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -402,7 +401,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
             predictions.append(costmodel.predict_method(cal, method, workers))
             if method.startswith("pipeline"):
                 break
-    failures = {w: plan_failures_for(args, cal, w) for w in worker_counts}
+    mtbf_h, checkpoint_s = failure_inputs(args, cal)
+    failures = {w: costmodel.plan_failures(w, cal.gpus_per_node, mtbf_h * 3600, checkpoint_s,
+                                           args.restart_s, args.pause_s)
+                for w in worker_counts}  # fmt: skip
     if args.json:
         print(json.dumps([{"method": p.method, "workers": p.workers, "step_s": p.step_s,
                            "samples_per_s": p.samples_per_s, "efficiency": p.efficiency,
@@ -453,8 +455,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     console.print(losses)
     first = next(iter(failures.values()))
     console.print(
-        f"failures: a node fails every {args.node_mtbf_h_used:,.0f} h on average, "
-        f"independently; a checkpoint blocks {args.checkpoint_s_used:.1f} s, every Young/Daly "
+        f"failures: a node fails every {mtbf_h:,.0f} h on average, "
+        f"independently; a checkpoint blocks {checkpoint_s:.1f} s, every Young/Daly "
         f"interval sqrt(2 x checkpoint x job MTBF); a failed node is back in "
         f"{args.restart_s:g} s; in place, the survivors pause {args.pause_s:g} s a failure. "
         f"First order: only while intervals and restarts are short against the job's MTBF "
@@ -534,7 +536,7 @@ def run_command(argv: list[str] | None = None) -> int:
 
     try:
         commands = {"shard": cmd_shard, "report": cmd_report, "bench": cmd_bench,
-                    "predict": cmd_predict}  # fmt: skip
+                    "predict": cmd_predict, "plan": cmd_predict}  # fmt: skip
         return commands.get(args.command, cmd_run)(args)
     except ValueError as e:
         fail(f"error: {e}")
@@ -554,6 +556,11 @@ def run_command(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         fail("interrupted; workers were stopped")
         return 130
+    except BrokenPipeError:
+        # The reader of the output left (`scaletrain predict --json | head`): nothing more
+        # to say, and nothing to flush at exit either (Python's own advice for EPIPE).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 
 import pytest
 
 from scaletrain.netns import unavailable_reason
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 JOB = ["--dataset", "digits", "--max-steps", "20", "--num-threads", "1"]
 
@@ -142,9 +144,19 @@ def test_predict_from_a_description_without_a_run(tmp_path):
     by_count = run_cli(*described[:2], str(count), *described[3:], "--json")
     assert by_model.returncode == 0, by_model.stderr
     assert json.loads(by_model.stdout) == json.loads(by_count.stdout)
-    # The table names the cluster's sources.
-    result = run_cli(*described, "--cluster", "dgx-a100")
+    # The table names the cluster's sources; `scaletrain plan` is the same command.
+    result = run_cli("plan", *described[1:], "--cluster", "dgx-a100")
     assert result.returncode == 0 and "DGX A100 datasheet" in result.stdout, result.stdout
+    # A reader that leaves early (`... --json | head`): exit 1, no traceback.
+    many = ",".join(map(str, range(1, 401)))  # ~100 KB of JSON: more than a pipe holds
+    with subprocess.Popen([sys.executable, "-m", "scaletrain", *described[:8], many, "--json"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                          stdin=subprocess.DEVNULL) as proc:  # fmt: skip
+        assert proc.stdout and proc.stderr
+        assert proc.stdout.read(10)
+        proc.stdout.close()
+        errors = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 1 and "Traceback" not in errors, errors
     for args, message in [
         ([*described[:3]], "give --calibrate RUN_DIR"),
         ([*described, "--calibrate", str(tmp_path)], "one or the other"),
