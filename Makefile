@@ -54,7 +54,7 @@ lint: install
 	$(BIN)/pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
 # Every mode at 1-32 processes on sleeping devices, with failures at 8, 16 and 32: where the
-# time goes against world size (about 25 minutes on 2 cores; runs/scale/).
+# time goes against world size (30-40 minutes on 2 cores, by the host's phase; runs/scale/).
 scale: install
 	$(BIN)/python benchmarks/scale.py
 
