@@ -1,4 +1,5 @@
-"""The loop's checkpoints (the restart mode's: GroupWorld.checkpointing): after every N-th
+"""The loop's checkpoints (the restart mode's, GroupWorld.checkpointing; in place, one
+replica's: ReplicaCheckpointing, FleetWorld.checkpointing): after every N-th
 applied step (--checkpoint-every N), at the interval that loses least (--checkpoint-every
 auto with --mtbf-s: fault/interval.py, from the measured save cost and step time, agreed
 over the ranks), and when asked: at a preemption and after the last step.
@@ -77,6 +78,7 @@ class Checkpointing(NoCheckpoints):
         self._last: float | None = None
         self._blocked = 0.0
         self._unsettled = False  # a synchronous save whose ranks have not agreed yet (settle)
+        self.wrote = True  # whether the last save wrote (a replica that is not the writer not)
         self.plan: dict[str, Any] = {}
 
     def maybe_save(self) -> float:
@@ -91,7 +93,8 @@ class Checkpointing(NoCheckpoints):
         due = step >= self.next_step if self.auto else bool(self.every) and step % self.every == 0
         if due:
             self._blocked = self.save(background=self.writer is not None, periodic=True)
-            self.costs.append(self._blocked)
+            if self.wrote:
+                self.costs.append(self._blocked)
             if self.auto:
                 self._plan_next()
         self._last = time.perf_counter()
@@ -101,19 +104,23 @@ class Checkpointing(NoCheckpoints):
         """The next save's step, from the costs measured so far: the same on every rank (the
         larger of the ranks' medians), so all save at the same steps."""
         t = self.trainer
-        if not self.step_times:  # no step time measured yet: measure some first
+        if not self.step_times or not self.costs:  # measure some first
             self.next_step = t.progress.step + AUTO_FIRST_STEPS
             return
         measured = torch.tensor(
             [statistics.median(self.costs), statistics.median(self.step_times[-50:])],
             dtype=torch.float64,
         )
-        if t.ctx.world_size > 1:
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-        cost_s, step_s = float(measured[0]), float(measured[1])
+        cost_s, step_s = (float(x) for x in self.agreed_max(measured))
         steps = interval_steps(cost_s, step_s, self.mtbf_s)
         self.next_step = t.progress.step + steps
         self.plan = {"cost_s": cost_s, "step_s": step_s, "interval_steps": steps}
+
+    def agreed_max(self, values: torch.Tensor) -> torch.Tensor:
+        """The largest of every rank's ``values`` (a collective of the group)."""
+        if self.trainer.ctx.world_size > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return values
 
     def describe(self) -> dict[str, Any]:
         """summary.json's ``checkpointing``: the interval and what it costs."""
@@ -212,3 +219,50 @@ class Checkpointing(NoCheckpoints):
         started = time.perf_counter()
         self.writer.wait()
         return time.perf_counter() - started
+
+
+class ReplicaCheckpointing(Checkpointing):
+    """In-place recovery's checkpoints (FleetWorld.checkpointing): the replicas hold the same
+    state after every committed step, so one writes it, the replica of quorum rank 0 in the
+    step just committed, and the others go on without waiting (there is no group to settle
+    over). They are for losing every replica at once: a replica that dies alone heals from a
+    live peer, and the job reads a checkpoint only when the same command starts it again
+    (FleetWorld.resume). The writer's RNG states go into the checkpoint, no per-rank files:
+    a replica's random stream continues from the writer's. Under ``auto`` each replica plans
+    from its own measurements (the writer's are those of the saves)."""
+
+    def save(self, *, background: bool = False, periodic: bool = False) -> float:
+        t = self.trainer
+        if self.saved_step == t.progress.step:
+            return 0.0
+        self.saved_step = t.progress.step
+        self.wrote = t.strategy.eval_part()[0] == 0  # quorum rank 0 of this step writes
+        if not self.wrote:
+            return 0.0
+        blocked = 0.0 if background else self.wait()
+        step = t.progress.step
+        t.watchdog.enter(step, "writing a checkpoint", "")
+        started = time.perf_counter()
+        directory, keep = t.run_dir / "checkpoints", t.cfg.fault.keep_checkpoints
+        # world_size 0: no per-rank state file belongs with it (fault/recovery.own_state).
+        state = checkpoint_state(t.training_state(), t.progress, t.cfg.hash(), [rng_state()], 0,
+                                 math_hash=t.cfg.math_hash())  # fmt: skip
+        if background:
+            state = snapshot(state)
+
+        def write() -> None:
+            path = save_checkpoint(directory, step, state, keep)
+            for fault in t.faults:
+                fault.after_checkpoint(step, path, t.ctx.restart_count)
+
+        if background and self.writer is not None:
+            self.writer.submit(write)
+        else:
+            write()
+        return blocked + time.perf_counter() - started
+
+    def agreed_max(self, values: torch.Tensor) -> torch.Tensor:
+        return values  # no group: each replica's own
+
+    def settle(self) -> None:
+        return None

@@ -200,8 +200,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     base: dict[str, Any] = {}
     if args.command == "demo":
         base = dict(DEMO_DEFAULTS, out=f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-        if getattr(args, "recovery", None) == "inplace":  # it keeps no checkpoints (modes.py)
-            base.pop("checkpoint_every")
     cfg = load_toml(args.config) if args.config else with_overrides(RunConfig(), base)
     cfg = with_overrides(cfg, {k: v for k, v in vars(args).items() if k in leaf_fields()})
     if getattr(args, "join_token", None):  # to the launcher's children, never to a file

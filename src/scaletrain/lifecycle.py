@@ -12,11 +12,12 @@ only what loop.Loop shows of the trainer.
   or to gather over. A restarted replica heals from a live peer instead (its strategy's plan
   does), a parameter-server worker keeps no state; at the end each process writes its totals
   to logs/final/rank<R>.json and the launcher builds summary.json from those with the same
-  aggregator (metrics/summary.summarize).
+  aggregator (metrics/summary.summarize). In place with --checkpoint-every, one replica
+  writes each checkpoint and a job run's first start reads the newest (the job lost every
+  replica: killed, or preempted).
 
-The world also says what checkpoints the loop (checkpointing.py: only the restart mode
-resumes from them; the launcher refuses the flag elsewhere, launch/modes.py) and whether a
-preemption was asked for.
+The world also says what checkpoints the loop (checkpointing.py) and whether a preemption was
+asked for.
 """
 
 from __future__ import annotations
@@ -245,8 +246,48 @@ class FleetWorld(World):
             return SelfWatchdog(rank=loop.ctx.rank, timeout_s=loop.cfg.hang_timeout_s)
         return NullWatchdog()
 
+    def checkpointing(self, loop: Loop) -> NoCheckpoints:
+        """In place, with --checkpoint-every: one replica writes each (ReplicaCheckpointing);
+        a parameter server's workers keep none (the servers checkpoint their partitions)."""
+        if self._in_place(loop) and loop.cfg.fault.checkpoints_on:
+            from scaletrain.checkpointing import ReplicaCheckpointing
+
+            return ReplicaCheckpointing(loop)
+        return NoCheckpoints()
+
+    def _in_place(self, loop: Loop) -> bool:
+        return loop.cfg.fault.recovery == "inplace" and loop.cfg.train.strategy != "ps"
+
     def resume(self, loop: Loop) -> Progress | None:
-        return None
+        """In place, a replica's first start in a job run reads the newest checkpoint, if the
+        job has one: the same command after every replica was lost (the job killed or
+        preempted) continues from it. Every replica reads the same one, so the first quorum
+        finds them at the same step. A replica restarted during the run reads none: it heals
+        from a live peer (torchft), which is ahead of any checkpoint."""
+        ctx = loop.ctx
+        if not self._in_place(loop) or ctx.attempt != 0:
+            return None
+        return resume(
+            loop.run_dir / "checkpoints",
+            loop.restore_checkpoint,
+            data_world_size=ctx.world_size,
+            rank=ctx.rank,
+            math_hash=loop.cfg.math_hash(),
+            attempt=0,
+            metrics=loop.run_dir / "metrics.jsonl",
+            job_run=ctx.job_run,
+        )
+
+    def preempted(self, loop: Loop) -> bool:
+        """In place with checkpoints: the launcher asked (fleet_stopper). Each replica looks
+        after each of its steps; those that look after the same step leave together, one
+        that saw it a step later trains that step without them and leaves after it, so the
+        last step's quorum rank 0 always leaves at it and checkpoints it."""
+        return (
+            self._in_place(loop)
+            and bool(loop.cfg.fault.checkpoints_on)
+            and (preempt_path(loop.run_dir).exists())
+        )
 
     def eval_part(self, loop: Loop) -> tuple[int, int] | None:
         """No group to add parts over: the first process (quorum rank 0 of a torchft step,
@@ -260,6 +301,7 @@ class FleetWorld(World):
         strategy = loop.strategy
         if strategy.holds_final_model and strategy.eval_part()[0] == 0:
             save_final_model(loop.run_dir, strategy.model)
+        final.checkpointing, final.checkpoint_s = report.checkpointing, report.checkpoint_s
         atomic_write_json(final_path(loop.run_dir, loop.ctx.rank), asdict(final))
         return None
 

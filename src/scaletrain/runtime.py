@@ -130,6 +130,7 @@ def fleet_context(cfg: RunConfig, mode: str) -> DistContext:
         device=device,
         backend="nccl" if device.type == "cuda" else "gloo",
         mode=mode,
+        job_run=env.get_int(env.JOB_RUN),  # its records say which run of the job
     )
 
 

@@ -61,9 +61,7 @@ FLAGS: dict[str, dict[str, Any]] = {
 }
 # (mode, flag) -> why it is refused; every other cell runs.
 REFUSED = {
-    ("inplace", "checkpoint-every"): "nothing is rolled back: a replica heals from a peer",
-    ("inplace", "checkpoint-async"): "no checkpoints",
-    ("inplace", "inject corrupt"): "no checkpoints",
+    ("inplace", "inject corrupt"): "a checkpoint is read only when the whole job starts again",
     ("ps", "checkpoint-async"): "the servers always write in the background",
     ("ps", "hang-timeout"): "--barrier-timeout-s and --timeout-s drop silent peers",
     ("ps", "inject hang"): "measured: nothing ended the silent process",
@@ -266,10 +264,10 @@ def test_every_cell_works_or_is_refused_before_start(root, mode, flag):
 
 def test_a_refused_flag_is_the_users_mistake_and_nothing_starts(tmp_path):
     out = tmp_path / "run"
-    result = run_cli("run", "--recovery", "inplace", "--checkpoint-every", "5",
+    result = run_cli("run", "--strategy", "ps", "--checkpoint-every", "5", "--checkpoint-async",
                      "--inject", "corrupt-checkpoint:step=3", "--out", str(out))  # fmt: skip
     assert result.returncode == 2
-    assert "error:" in result.stderr and "--recovery inplace" in result.stderr
-    assert "checkpoint_every" in result.stderr and "corrupt" in result.stderr  # both, at once
+    assert "error:" in result.stderr and "--strategy ps" in result.stderr
+    assert "checkpoint_async" in result.stderr and "corrupt" in result.stderr  # both, at once
     assert "Traceback" not in result.stderr
     assert not out.exists()

@@ -159,10 +159,15 @@ def note_recovery(run_dir: Path, entry: dict[str, Any]) -> None:
 def run_recoveries(run_dir: Path, carried: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every restart of the run, one entry per attempt in attempt order: those ``carried`` in
     the loop's progress and those only DIR/logs/recoveries.jsonl holds (the later line of an
-    attempt wins: it has ``resumed_s``)."""
-    by_attempt = {entry["attempt"]: entry for entry in carried}
+    attempt wins: it has ``resumed_s``). Keyed by job run too: in place every job run's
+    replicas start at attempt 0."""
+
+    def key(entry: dict[str, Any]) -> tuple[int, int]:
+        return entry.get("job_run", 0), entry["attempt"]
+
+    by_attempt = {key(entry): entry for entry in carried}
     for entry in read_jsonl(run_dir / "logs" / "recoveries.jsonl"):
-        by_attempt[entry["attempt"]] = entry
+        by_attempt[key(entry)] = entry
     return [by_attempt[a] for a in sorted(by_attempt)]
 
 

@@ -99,14 +99,20 @@ def runner(mode: str) -> Callable[[RunConfig, Path, bool], dict[str, Any]]:
     return run_restart
 
 
-def fleet_stopper(run_dir: Path) -> Callable[[int, Any], None]:
-    """What a preemption signal does under --recovery inplace or --strategy ps: their jobs
-    cannot be continued once they trained (launch/jobs.py), so the launcher stops its
-    processes now (the fleet's clean-up) and says so; before the first step the same command
-    starts the job again, which is a preemption like any other."""
+def fleet_stopper(cfg: RunConfig, run_dir: Path) -> Callable[[int, Any], None]:
+    """What a preemption signal does under --recovery inplace or --strategy ps. In place with
+    checkpoints, what it does in the restart mode: a request in the run directory, after
+    which every replica leaves at its next step, the last step's writer checkpointing it
+    (lifecycle.FleetWorld.preempted), and the launcher exits 3 (launch/inplace.py). Otherwise
+    their jobs cannot be continued once they trained (launch/jobs.py), so the launcher stops
+    its processes now (the fleet's clean-up) and says so; before the first step the same
+    command starts the job again, which is a preemption like any other."""
+    from scaletrain.launch.modes import mode_of
 
     def stop(signum: int, frame: Any) -> None:
         import signal
+
+        from scaletrain.fault.preempt import request_preemption
 
         name = signal.Signals(signum).name
         if not (run_dir / "metrics.jsonl").exists():
@@ -114,9 +120,17 @@ def fleet_stopper(run_dir: Path) -> Callable[[int, Any], None]:
                 f"preempted by {name} before the first step; nothing was trained, so running "
                 "the same command starts the job"
             )
+        if mode_of(cfg) == "inplace" and cfg.fault.checkpoints_on:
+            request_preemption(run_dir, name)
+            return
+        how = (
+            "pass --checkpoint-every N to make it continuable"
+            if mode_of(cfg) == "inplace"
+            else "the restart mode (the default --recovery) and in place with --checkpoint-every do"
+        )
         raise LaunchFailed(
-            f"stopped by {name}: the workers were stopped. This mode does not continue a job "
-            "after a preemption yet; the restart mode (the default --recovery) does"
+            f"stopped by {name}: the workers were stopped. This job cannot be continued after "
+            f"a preemption ({how})"
         )
 
     return stop
@@ -146,7 +160,7 @@ def run(cfg: RunConfig, *, show_progress: bool = True) -> dict[str, Any]:
         if mode == "restart":  # its agent responds to preemption signals (agent.py)
             summary = runner(mode)(cfg, run_dir, show_progress)
         else:
-            with GUARD.responding(fleet_stopper(run_dir)):
+            with GUARD.responding(fleet_stopper(cfg, run_dir)):
                 summary = runner(mode)(cfg, run_dir, show_progress)
     except Preempted:
         if head:

@@ -11,6 +11,12 @@ a restarted replica ``rejoined_step`` and ``rejoin_s`` (relaunch to its first co
 most of it a fresh Python importing torch). ``lost_steps`` is 0 by construction: nothing rolls
 back; a step that was in flight is not applied and its samples are trained in the next one.
 
+With --checkpoint-every, the replica at quorum rank 0 of a step writes its checkpoint
+(checkpointing.ReplicaCheckpointing) and the same command after the whole job was lost
+continues from the newest (lifecycle.FleetWorld.resume); a preemption signal asks the
+replicas to checkpoint and leave (launch.fleet_stopper), and the launcher then raises
+Preempted (exit 3).
+
 Across nodes (``--nnodes N``), node i's supervisor runs replicas ``i*nproc ..``; node 0 hosts
 the lighthouse at --rdzv-endpoint (listening on --bind, by default that address), and every
 replica listens on, and advertises, its node's address (env.ADDR). The run directory is
@@ -22,14 +28,19 @@ its network did) is recorded from metrics.jsonl as ``cause: "left"``.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from scaletrain import env
 from scaletrain.config import RunConfig
-from scaletrain.fault.recoveries import inplace_recoveries
+from scaletrain.fault.checkpoint import read_index
+from scaletrain.fault.jobs import current_job_run
+from scaletrain.fault.preempt import preemption_request
+from scaletrain.fault.recoveries import inplace_recoveries, run_recoveries
 from scaletrain.io import read_jsonl
+from scaletrain.launch.errors import Preempted
 from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals
 from scaletrain.metrics.logs import tail
@@ -63,6 +74,9 @@ class Supervisor(JobFleet):
         from torchft.coordination import LighthouseServer
 
         super().__init__(cfg, run_dir)
+        self.started_at = time.time()
+        if self.is_head:  # a job run's finals are its own (an earlier run's would end it)
+            shutil.rmtree(run_dir / "logs" / "final", ignore_errors=True)
         self.lighthouse = None
         if self.nnodes == 1:
             host, port, self.addr = "127.0.0.1", 0, "127.0.0.1"
@@ -102,6 +116,15 @@ class Supervisor(JobFleet):
         finally:
             if self.lighthouse is not None:
                 self.lighthouse.shutdown()
+        request = preemption_request(self.run_dir)
+        if request is not None:  # every replica left after checkpointing (fleet_stopper)
+            index = read_index(self.run_dir / "checkpoints")
+            step = index[-1]["step"] if index else 0
+            raise Preempted(
+                f"preempted by {request['signal']}: the replicas left after step {step}, "
+                f"checkpointed in {self.run_dir / 'checkpoints'}; run the same command (--out "
+                f"{self.run_dir}) to continue the job"
+            )
         if not self.finished:
             last = self.deaths[-1] if self.deaths else {"rank": 0, "cause": "no replica finished"}
             log = self.run_dir / "logs" / f"rank{last['rank']}.log"
@@ -114,15 +137,14 @@ class Supervisor(JobFleet):
         """Each death, timed from the steps in metrics.jsonl: this node's, those other nodes'
         supervisors recorded (logs/incidents.jsonl), and replicas of other nodes that left
         with no death recorded (their node died, or its network did)."""
-        path = self.run_dir / "metrics.jsonl"
-        records = read_jsonl(path)
+        records = self.job_run_records()
         incidents = self.run_dir / "logs" / "incidents.jsonl"
         trained = {(r["rank"], r["attempt"]) for r in records}
         remote = [  # a replica restarted there that never trained again adds nothing here
             i
             for i in read_jsonl(incidents)
             if i["kind"] == "inplace" and i["rank"] not in self.local
-            and (i["rank"], i["attempt"]) in trained
+            and (i["rank"], i["attempt"]) in trained and i["detected_at"] >= self.started_at
         ]  # fmt: skip
         deaths = [*self.deaths, *remote]
         last_step = max((r["step"] for r in records), default=0)
@@ -135,6 +157,12 @@ class Supervisor(JobFleet):
                                "died_at": last["unix_time"], "cause": "left: its node "
                                "stopped answering (down, or cut off)"})  # fmt: skip
         return inplace_recoveries(deaths, records, self.world)
+
+    def job_run_records(self) -> list[dict[str, Any]]:
+        """This job run's steps (every job run's replicas count their attempts from 0)."""
+        job_run = current_job_run(self.run_dir)[0]
+        records = read_jsonl(self.run_dir / "metrics.jsonl")
+        return [r for r in records if r.get("job_run", 0) == job_run]
 
     def wait_for_remote_finals(self, timeout_s: float = 30.0) -> None:
         """Replicas of other nodes that reached the last step write their finals a moment
@@ -157,19 +185,27 @@ class Supervisor(JobFleet):
         # The replica that trained longest (a restarted one joined late).
         main = max(finals, key=lambda f: (f.step, f.wall_s))
         cfg = self.cfg
+        extras: dict[str, Any] = {"recovery": "inplace"}
+        if main.checkpointing.get("mode", "none") != "none":
+            # The saves of every replica that wrote some (the writer changes with the quorum).
+            extras["checkpointing"] = {
+                **main.checkpointing,
+                "saves": sum(f.checkpointing.get("saves", 0) for f in finals),
+            }
         return write_summary(cfg, self.run_dir, SummaryParts(
             finals=finals,
             steps=main.step,
             samples=main.samples_trained,
-            recoveries=self.recoveries(),
-            checkpoint_s=0.0,
+            # The job's resumes from a checkpoint (FleetWorld.resume), then this run's deaths.
+            recoveries=run_recoveries(self.run_dir, []) + self.recoveries(),
+            checkpoint_s=max(f.checkpoint_s for f in finals),
             params_hash=main.params_sha256,
             wall_s=main.wall_s,
             data_world_size=self.world,
             steps_per_epoch=main.steps_per_epoch,
             backend="gloo",
             world_size=self.world,
-            extras={"recovery": "inplace"},
+            extras=extras,
         ))  # fmt: skip
 
 

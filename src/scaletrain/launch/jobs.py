@@ -13,9 +13,10 @@ What may change between job runs (config.FREE_FIELDS): how and where it runs (ev
 flag: more or fewer workers or nodes re-plan the rest of the epoch from the sampler's cursor,
 and fsdp reshards through DCP), how long it trains, what it records and how it checkpoints.
 Anything else is the math of the training (model, data, optimizer, batch, seed, precision,
-strategy, ...): a change is refused, naming the fields. The in-place and parameter-server
-modes do not resume a job that trained yet (their state is in live replicas and the
-servers): refused; one preempted before its first step starts again.
+strategy, ...): a change is refused, naming the fields. In place (--recovery inplace) the
+replicas resume from the checkpoints one of them wrote (--checkpoint-every; a job without
+any is refused); the parameter-server mode does not resume a job that trained yet (its state
+is in the servers): refused; one preempted before its first step starts again.
 
 logs/job_runs.jsonl has a line when each job run starts (number, time, attempt base, what
 changed) and one when it ends (finished, preempted, failed). Attempts are numbered across the
@@ -110,11 +111,16 @@ def plan_job_run(cfg: RunConfig, out: Path, mode: str) -> JobRun:
     if finished and not extends(old, cfg):
         raise JobComplete(out)
     trained = (out / "metrics.jsonl").exists()
-    if mode != "restart" and trained:
-        name = "--recovery inplace" if mode == "inplace" else "--strategy ps"
+    if mode == "ps" and trained:
         raise ValueError(
-            f"out: {out} holds a job; resuming a job runs in the restart mode (from its "
-            f"checkpoints), not under {name}; pass another --out"
+            f"out: {out} holds a job; resuming a job runs in the restart mode or in place "
+            "(from its checkpoints), not under --strategy ps; pass another --out"
+        )
+    if mode == "inplace" and trained and not _has_checkpoints(out):
+        raise ValueError(
+            f"out: {out} holds a job that wrote no checkpoint, and in place the replicas' "
+            "state was lost with them: there is nothing to continue from. Pass another --out "
+            "(and --checkpoint-every N to make an in-place job continuable)"
         )
     if finished and not old.fault.checkpoints_on and not _has_checkpoints(out):
         raise ValueError(

@@ -76,15 +76,12 @@ def refusals(cfg: RunConfig) -> list[str]:
                 "nnodes: inplace recovery starts a fixed set of replicas (the survivors of a "
                 f"lost node go on without it); pass --nnodes N, not {cfg.launch.nnodes!r}"
             )
-        if cfg.fault.checkpoints_on:
-            out.append(
-                f"checkpoint_every: {name} keeps no checkpoints (nothing is rolled back; a "
-                "restarted replica copies a live peer's state); drop --checkpoint-every"
-            )
-        if cfg.fault.checkpoint_async:
-            out.append(f"checkpoint_async: {name} keeps no checkpoints; drop --checkpoint-async")
         if "corrupt-checkpoint" in faults:
-            out.append(f"inject: {name} keeps no checkpoints to corrupt")
+            out.append(
+                f"inject: corrupt-checkpoint tests a restart's fall back to an older checkpoint; "
+                f"under {name} a replica that dies heals from a live peer, and a checkpoint is "
+                "read only when the whole job starts again"
+            )
     if mode == "ps":
         name = "--strategy ps"
         if cfg.fault.checkpoint_auto:

@@ -84,6 +84,9 @@ class RankTotals:
     compiled_graphs: int = 0  # --compile: the graphs torch.compile captured
     open_fds: int = 0  # file descriptors held at the end
     phases: dict[str, float] = field(default_factory=dict)  # start-up marks (phases.py)
+    # A fleet's process: its checkpoints' account (Checkpointing.describe), "" elsewhere.
+    checkpointing: dict[str, Any] = field(default_factory=dict)
+    checkpoint_s: float = 0.0  # seconds this process blocked on checkpoints
 
     def add(self, record: dict[str, Any]) -> None:
         self.steps += 1

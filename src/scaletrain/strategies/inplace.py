@@ -143,10 +143,10 @@ def tensor_bytes(state: Any) -> int:
     return 0
 
 
-def wait_for_peers(run_dir: Path, rank: int, world: int, timeout_s: float) -> None:
-    """First start only: every replica announces itself and waits for all, so the first step
-    runs with all of them instead of with whichever imported torch first."""
-    ready = run_dir / "logs" / "ready"
+def wait_for_peers(run_dir: Path, job_run: int, rank: int, world: int, timeout_s: float) -> None:
+    """A job run's first start only: every replica announces itself and waits for all, so
+    the first step runs with all of them instead of with whichever imported torch first."""
+    ready = run_dir / "logs" / "ready" / f"job{job_run}"
     ready.mkdir(parents=True, exist_ok=True)
     (ready / f"replica{rank}").touch()
     deadline = time.monotonic() + timeout_s
@@ -197,7 +197,8 @@ class InplaceStrategy(Strategy):
             )
         self.run_dir = Path(cfg.out)
         if ctx.attempt == 0:
-            wait_for_peers(self.run_dir, ctx.rank, ctx.world_size, cfg.launch.timeout_s)
+            wait_for_peers(self.run_dir, ctx.job_run, ctx.rank, ctx.world_size,
+                           cfg.launch.timeout_s)  # fmt: skip
 
     def build_plan(self, dataset: Any) -> BatchPlan:
         self.plan = QuorumPlan(self, dataset)

@@ -1,0 +1,123 @@
+"""An in-place job (--recovery inplace) that loses every replica at once: with
+--checkpoint-every one replica (quorum rank 0 of the step) writes each checkpoint, and the
+same command continues the job from the newest one after the whole job was SIGKILLed (bit
+for bit with --deterministic) or preempted (SIGTERM: the replicas checkpoint their last step
+and the launcher exits 3). Real launchers, real signals, torchft's lighthouse and gloo on
+loopback."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import signal
+
+import pytest
+
+from scaletrain.config import RunConfig, dumps_toml, with_overrides
+from scaletrain.fault.jobs import job_runs_path
+from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
+from scaletrain.io import append_jsonl, read_jsonl
+from scaletrain.launch.jobs import plan_job_run
+from tests.conftest import assert_no_orphans, processes_mentioning, run_cli
+from tests.dist.test_jobs import start, wait_for_step
+
+DIGITS = 1437  # training samples of the built-in digits set
+# 23 steps an epoch with 2 replicas x 32, 46 in all; --deterministic so runs compare bitwise.
+JOB = ["--recovery", "inplace", "--nproc-per-node", "2", "--epochs", "2", "--deterministic",
+       "--seed", "4", "--num-threads", "1", "--checkpoint-every", "10",
+       "--log-sample-ids"]  # fmt: skip
+
+
+def summary(out):
+    return json.loads((out / "summary.json").read_text())
+
+
+def assert_each_sample_once_per_epoch(records, epochs=2):
+    seen = collections.defaultdict(list)
+    for r in records:
+        seen[r["epoch"]] += r["sample_ids"]
+    for epoch in range(epochs):
+        assert sorted(seen[epoch]) == list(range(DIGITS)), epoch
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("inplace-jobs") / "clean"
+    result = run_cli("run", *JOB, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return summary(out), read_jsonl(out / "metrics.jsonl")
+
+
+def test_one_replica_writes_each_checkpoint(uninterrupted):
+    clean, records = uninterrupted
+    # The writer blocks for its save; the other replica does not wait for it at all.
+    writers = collections.Counter(r["step"] for r in records if r["checkpoint_s"] > 0)
+    assert writers == {step: 1 for step in range(10, clean["steps"] + 1, 10)}, writers
+    assert clean["checkpointing"]["saves"] == 4 and clean["checkpointing"]["mode"] == "every"
+    assert clean["recoveries"] == [] and clean["replicas_agree"]
+
+
+def test_a_killed_in_place_job_continues_from_its_checkpoint_bit_identical(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    # Slowed (sleeps, the same math) so the kill lands mid-run.
+    proc = start(*JOB, "--inject", "slow:rank=0:factor=4", "--out", str(out))
+    wait_for_step(out, 25, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in processes_mentioning(str(out)):  # the replicas die with their launcher
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert_no_orphans(out)
+    result = run_cli("run", *JOB, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    got = summary(out)
+    assert got["params_sha256"] == uninterrupted[0]["params_sha256"]
+    [resume] = got["recoveries"]
+    assert resume["kind"] == "resume" and resume["job_run"] == 1
+    assert resume["step"] >= 20 and resume["step"] % 10 == 0
+    assert "ended without a word" in resume["cause"] and resume["lost_steps"] > 0
+    # The steps of job run 0 after the checkpoint were trained again: without them, every
+    # sample of every epoch once.
+    records = read_jsonl(out / "metrics.jsonl")
+    redone = [r for r in records if r["job_run"] == 0 and r["step"] > resume["step"]]
+    assert redone
+    assert_each_sample_once_per_epoch([r for r in records if r not in redone])
+    assert got["samples"] == 2 * DIGITS and got["job_runs"] == 2
+
+
+def test_a_preempted_in_place_job_checkpoints_exits_3_and_continues(tmp_path):
+    out = tmp_path / "run"
+    proc = start(*JOB, "--inject", "slow:rank=0:factor=4", "--out", str(out))
+    wait_for_step(out, 15, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, stderr
+    assert "preempted by SIGTERM" in stderr and "Traceback" not in stderr
+    # The last step any replica trained is checkpointed (its quorum's rank 0 wrote it).
+    reached = max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
+    index = json.loads((out / "checkpoints" / "index.json").read_text())
+    assert index[-1]["step"] == reached, (index, reached)
+    assert not (out / "summary.json").exists()
+    assert_no_orphans(out)
+    result = run_cli("run", *JOB, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    got = summary(out)
+    [resume] = got["recoveries"]
+    assert resume["kind"] == "resume" and resume["cause"] == "job run 0 preempted"
+    assert resume["step"] == reached and resume["lost_steps"] == 0
+    assert_each_sample_once_per_epoch(read_jsonl(out / "metrics.jsonl"))  # nothing redone
+    assert got["samples"] == 2 * DIGITS and got["replicas_agree"]
+    runs = read_jsonl(out / "logs" / "job_runs.jsonl")
+    assert [j.get("how") for j in runs if "ended_at" in j] == ["preempted", "finished"]
+
+
+def test_an_in_place_job_without_checkpoints_is_not_continued(tmp_path):
+    """Its state was in the replicas only: refused before anything starts, and why."""
+    cfg = with_overrides(RunConfig(), {"recovery": "inplace", "out": str(tmp_path)})
+    (tmp_path / "config.toml").write_text(dumps_toml(cfg.to_dict()))
+    append_jsonl(job_runs_path(tmp_path), {"job_run": 0, "started_at": 1.0, "attempt_base": 0})
+    append_jsonl(tmp_path / "metrics.jsonl", {"step": 1, "rank": 0})  # it trained, then died
+    with pytest.raises(ValueError, match="wrote no checkpoint"):
+        plan_job_run(cfg, tmp_path, "inplace")
