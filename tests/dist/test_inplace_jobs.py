@@ -42,16 +42,16 @@ def assert_each_sample_once_per_epoch(records, epochs=2):
         assert sorted(seen[epoch]) == list(range(DIGITS)), epoch
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+@pytest.fixture(scope="session")  # session: xdist tears module fixtures down between modules
+def inplace_uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("inplace-jobs") / "clean"
     result = run_cli("run", *JOB, "--out", str(out))
     assert result.returncode == 0, result.stderr
     return summary(out), read_jsonl(out / "metrics.jsonl")
 
 
-def test_one_replica_writes_each_checkpoint(uninterrupted):
-    clean, records = uninterrupted
+def test_one_replica_writes_each_checkpoint(inplace_uninterrupted):
+    clean, records = inplace_uninterrupted
     # The writer blocks for its save; the other replica does not wait for it at all.
     writers = collections.Counter(r["step"] for r in records if r["checkpoint_s"] > 0)
     assert writers == {step: 1 for step in range(10, clean["steps"] + 1, 10)}, writers
@@ -59,7 +59,9 @@ def test_one_replica_writes_each_checkpoint(uninterrupted):
     assert clean["recoveries"] == [] and clean["replicas_agree"]
 
 
-def test_a_killed_in_place_job_continues_from_its_checkpoint_bit_identical(tmp_path, uninterrupted):
+def test_a_killed_in_place_job_continues_from_its_checkpoint_bit_identical(
+    tmp_path, inplace_uninterrupted
+):
     out = tmp_path / "run"
     # Slowed (sleeps, the same math) so the kill lands mid-run.
     proc = start(*JOB, "--inject", "slow:rank=0:factor=4", "--out", str(out))
@@ -73,7 +75,7 @@ def test_a_killed_in_place_job_continues_from_its_checkpoint_bit_identical(tmp_p
     result = run_cli("run", *JOB, "--out", str(out))
     assert result.returncode == 0, result.stderr
     got = summary(out)
-    assert got["params_sha256"] == uninterrupted[0]["params_sha256"]
+    assert got["params_sha256"] == inplace_uninterrupted[0]["params_sha256"]
     [resume] = got["recoveries"]
     assert resume["kind"] == "resume" and resume["job_run"] == 1
     assert resume["step"] >= 20 and resume["step"] % 10 == 0
