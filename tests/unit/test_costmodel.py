@@ -304,6 +304,42 @@ def test_fsdp_hsdp_tensor_and_co_located_ps_by_hand():
         predict_method(nodes, "hsdp", 8)
 
 
+def test_tree_all_reduce_and_pipelines_across_nodes_by_hand():
+    """Nodes of 4 devices (100 GB/s each within a node, 10 GB/s a node's link), 100 MB of
+    gradients, 0.1 ms a message."""
+    nodes = cal(gpus_per_node=4, intra_bandwidth_Bps=100e9, bandwidth_Bps=10e9)
+    within = 6e-4 + 1.5 * 1e8 / 100e9  # the ring inside each node
+    # 64 nodes: across them a double binary tree takes 2 x 6 hops and 2 x 100 MB / 10 GB/s;
+    # the ring 2 x 63 hops and 2 x 63/64 of the bytes.
+    tree = predict_method(nodes, "ddp:tree", 256)
+    assert tree.method == "ddp tree"
+    assert tree.comm_s == pytest.approx(within + 12e-4 + 2 * 1e8 / 10e9)
+    ring = predict_method(nodes, "ddp", 256)
+    assert ring.comm_s == pytest.approx(within + 126e-4 + 2 * 63 / 64 * 1e8 / 10e9)
+    assert tree.step_s < ring.step_s  # 0.1 ms a hop: the latencies decide
+    fast = cal(gpus_per_node=4, intra_bandwidth_Bps=100e9, bandwidth_Bps=10e9, latency_s=1e-7)
+    assert predict_method(fast, "ddp:tree", 256).step_s > predict_method(fast, "ddp", 256).step_s
+    # Pipelines of 8 stages across nodes of 4, 2 of them data parallel (16 devices), 8
+    # micro-batches of 10 MB of activations: a stage's slot is 0.1 s / 8 / 8, the hops cross
+    # a node's link shared by its 4 devices (0.1 ms + 10 MB / 2.5 GB/s), 2 x 14 of them; then
+    # each stage's 12.5 MB of gradients all-reduced with its twin through the node's link.
+    pp = predict_method(nodes, "pp:8:8:10", 16)
+    hop = 1e-4 + 10e6 / 2.5e9
+    dp = 2e-4 + 12.5e6 / 2.5e9
+    assert pp.method == "pp P=8 M=8"
+    assert pp.step_s == pytest.approx(0.1 / 8 * 15 / 8 + 28 * hop + dp)
+    assert pp.samples_per_s == pytest.approx(2 * 32 / pp.step_s)  # 2 pipelines, a batch each
+    # 4 stages fit in a node: the hops on the intra-node links.
+    inside = predict_method(nodes, "pp:4:8:10", 8)
+    assert inside.comm_s == pytest.approx(2 * 10 * (1e-4 + 10e6 / 100e9) + 2e-4 + 25e6 / 2.5e9)
+    # One pipeline and no activation bytes: the single-pipeline model.
+    assert predict_method(nodes, "pp:4:8:0", 4).step_s == pytest.approx(
+        predict_method(nodes, "pipeline:4:8", 4).step_s
+    )
+    with pytest.raises(ValueError, match="must divide"):
+        predict_method(nodes, "pp:3:8:10", 16)
+
+
 def test_published_multi_node_throughput_predicted_within_15_percent(tmp_path):
     """Every row of published.toml (TensorFlow's EC2 K80 cluster of 2017, torchtitan's H100
     hosts of 2024), predicted from its source's hardware and its own one-node figure, is

@@ -38,6 +38,14 @@ Formulas and what they assume:
   then data parallel across the W/T groups on the 1/T of the gradients each device holds.
 - **pipeline** (P stages, M microbatches): ``step = compute / P x (M + P - 1) / M`` plus
   ``2 (M + P - 2)`` activation hops of latency; the bubble is (P-1)/(M+P-1).
+- **pp:P:M:A** (pipelines across nodes, data parallel over W / P of them; A bytes of
+  activations a micro-batch sends across a stage boundary): ``step = (M + P - 1) compute /
+  (P M) + 2 (M + P - 2) (lat + A / link) + dp``, the link the intra-node one when the P stages
+  fit in a node, else the node's link shared by its devices; dp: each stage's 1/P of the
+  gradients all-reduced with the same stage of the other pipelines after the flush.
+- **ddp:tree** (NCCL's double binary tree, which it picks for small messages and many
+  nodes): across the nodes ``2 ceil(log2 k) lat + 2 M / bw`` instead of the ring's ``2 (k-1)
+  lat + 2 (k-1)/k M / bw``: fewer latencies, slightly more bytes.
 
 **Nodes of several devices** (``gpus_per_node`` G > 1, ``intra_bandwidth``: each device's
 bandwidth to the others of its node; ``bandwidth`` is then the node's, shared by its G
@@ -104,6 +112,7 @@ all-reduce a few KB.
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import tomllib
@@ -192,13 +201,26 @@ def ring_s(nbytes: float, ranks: int, latency_s: float, bandwidth_Bps: float) ->
     return 2 * (ranks - 1) * latency_s + 2 * (ranks - 1) / ranks * nbytes / bandwidth_Bps
 
 
-def allreduce_s(nbytes: float, workers: int, cal: Calibration) -> float:
-    """Flat ring, or hierarchical over nodes of ``gpus_per_node`` devices (the docstring)."""
+def tree_s(nbytes: float, ranks: int, latency_s: float, bandwidth_Bps: float) -> float:
+    """NCCL's double binary tree all-reduce of ``nbytes`` over ``ranks``: a reduce up and a
+    broadcast down, each ``ceil(log2 n)`` hops deep; two trees carry half the bytes each, and
+    every rank sends and receives its half of each twice: ``2 ceil(log2 n) lat + 2 M / bw``
+    (against the ring's ``2 (n-1) lat + 2 (n-1)/n M / bw``: fewer latencies, a few more
+    bytes)."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(ranks)) * latency_s + 2 * nbytes / bandwidth_Bps
+
+
+def allreduce_s(nbytes: float, workers: int, cal: Calibration, *, tree: bool = False) -> float:
+    """Flat ring, or hierarchical over nodes of ``gpus_per_node`` devices (the docstring);
+    ``tree``: across the nodes (or the flat workers) a double binary tree instead of a ring."""
+    across = tree_s if tree else ring_s
     g = cal.gpus_per_node
     if g <= 1:
-        return ring_s(nbytes, workers, cal.latency_s, cal.bandwidth_Bps)
+        return across(nbytes, workers, cal.latency_s, cal.bandwidth_Bps)
     within = ring_s(nbytes, min(g, workers), cal.latency_s, cal.intra_bandwidth_Bps)
-    return within + ring_s(nbytes, nodes(workers, cal), cal.latency_s, cal.bandwidth_Bps)
+    return within + across(nbytes, nodes(workers, cal), cal.latency_s, cal.bandwidth_Bps)
 
 
 def nodes(workers: int, cal: Calibration) -> int:
@@ -299,19 +321,19 @@ def _prediction(method: str, workers: int, cal: Calibration, compute: float,
 
 
 def predict_ddp(cal: Calibration, workers: int, *, ratio: float = 1.0, encode_s: float = 0.0,
-                compressor: str = "none") -> Prediction:  # fmt: skip
+                compressor: str = "none", tree: bool = False) -> Prediction:  # fmt: skip
     compute = compute_s(cal, workers)
     payload = cal.grad_bytes / ratio
     if compressor in GATHER_COMPRESSORS:
         comm = allgather_s(payload, workers, cal)
     else:
-        comm = allreduce_s(payload, workers, cal)
+        comm = allreduce_s(payload, workers, cal, tree=tree)
     encode = encode_s if workers > 1 else 0.0
     step = compute + encode + (1 - cal.overlap) * comm
     if host_bound(cal) and compressor == "none":
         step = synchronous_step(cal, workers, (1 - cal.overlap) * comm)
     name = "ddp" if compressor == "none" else f"ddp+{compressor}"
-    return _prediction(name, workers, cal, compute, comm + encode, step)
+    return _prediction(name + (" tree" if tree else ""), workers, cal, compute, comm + encode, step)
 
 
 def predict_local_sgd(cal: Calibration, workers: int, sync_every: int) -> Prediction:
@@ -439,6 +461,38 @@ def predict_pipeline(cal: Calibration, stages: int, microbatches: int) -> Predic
                       rate / ideal)  # fmt: skip
 
 
+def predict_pipeline_dp(cal: Calibration, workers: int, stages: int, microbatches: int,
+                        activation_bytes: float) -> Prediction:  # fmt: skip
+    """Pipelines of ``stages`` across nodes, data parallel over the W / P of them. A pipeline
+    computes one worker's step (the per-worker batch) in ``microbatches`` M: each of the
+    ``M + P - 1`` slots of its schedule is a micro-batch's forward and backward on one stage,
+    ``compute / (P M)``, and a hop each way to the next stage of ``lat + A / link`` (A the
+    activation bytes one micro-batch sends across a stage boundary; its gradient comes back
+    the same size), not overlapped: ``step = (M + P - 1) compute / (P M) + 2 (M + P - 2) hop``.
+    The link: the intra-node one when the stages fit in a node; else the stages are nodes
+    apart and the node's link is shared by its devices, all sending at once. After the flush
+    each stage all-reduces its 1/P of the gradients with the same stage of the other
+    pipelines (``replicas_allreduce_s``)."""
+    m, p = microbatches, stages
+    if p < 1 or m < 1 or workers % p:
+        raise ValueError(
+            f"predict: pp's stages ({p}) must divide the workers ({workers}), with M >= 1"
+        )
+    per_node = min(max(cal.gpus_per_node, 1), workers)
+    within = cal.gpus_per_node > 1 and p <= cal.gpus_per_node
+    link = cal.intra_bandwidth_Bps if within else cal.bandwidth_Bps / per_node
+    hop = cal.latency_s + activation_bytes / link
+    compute = compute_s(cal, workers) / p
+    pipe_comm = 2 * (m + p - 2) * hop if p > 1 else 0.0
+    pipelines = workers // p
+    dp_comm = replicas_allreduce_s(cal.grad_bytes / p, pipelines, per_node, cal)
+    step = compute * (m + p - 1) / m + pipe_comm + dp_comm
+    rate = pipelines * cal.batch_size / step
+    ideal = workers * cal.batch_size / cal.compute_s
+    return Prediction(f"pp P={p} M={m}", workers, step, compute, pipe_comm + dp_comm, rate,
+                      rate / ideal)  # fmt: skip
+
+
 def bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
@@ -489,11 +543,16 @@ def measured_checkpoint_s(run_dir: Path) -> float | None:
 
 
 def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
-    """``ddp``, ``local_sgd:H``, ``ps:K``, ``ps-colocated[:K]``, ``fsdp``, ``hsdp:S`` (shard
-    groups of S), ``tp:T:ACTIVATION_MB`` (tensor parallel of T, that many MB of activations
-    all-reduced a step), ``compressed:RATIO[:ENCODE_MS]`` (an all-reduce compressor such as
-    PowerSGD), ``pipeline:P:M`` (workers ignored: one pipeline of P)."""
+    """``ddp``, ``ddp:tree`` (a double binary tree across nodes), ``local_sgd:H``, ``ps:K``,
+    ``ps-colocated[:K]``, ``fsdp``, ``hsdp:S`` (shard groups of S), ``tp:T:ACTIVATION_MB``
+    (tensor parallel of T, that many MB of activations all-reduced a step),
+    ``compressed:RATIO[:ENCODE_MS]`` (an all-reduce compressor such as PowerSGD),
+    ``pipeline:P:M`` (workers ignored: one pipeline of P), ``pp:P:M:ACTIVATION_MB``
+    (pipelines of P stages across nodes, data parallel over W / P; MB a micro-batch sends
+    across a stage boundary)."""
     name, *args = method.split(":")
+    if method == "ddp:tree":
+        return predict_ddp(cal, workers, tree=True)
     try:
         numbers = [float(a) for a in args]
         if name == "ddp" and not numbers:
@@ -508,6 +567,9 @@ def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
                                        compressor="x"), method=method)  # fmt: skip
         if name == "pipeline" and len(numbers) == 2:
             return predict_pipeline(cal, int(numbers[0]), int(numbers[1]))
+        if name == "pp" and len(numbers) == 3:
+            return predict_pipeline_dp(cal, workers, int(numbers[0]), int(numbers[1]),
+                                       numbers[2] * 1e6)  # fmt: skip
         if name == "fsdp" and not numbers:
             return predict_fsdp(cal, workers)
         if name == "hsdp" and len(numbers) == 1 and numbers[0] >= 1:
@@ -520,9 +582,9 @@ def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
         if str(e).startswith("predict:"):
             raise
     raise ValueError(
-        f"predict: cannot read method {method!r}; use ddp, local_sgd:H, ps:K, ps-colocated[:K], "
-        "fsdp, hsdp:S (shard group), tp:T:ACTIVATION_MB, compressed:RATIO[:ENCODE_MS] or "
-        "pipeline:P:M"
+        f"predict: cannot read method {method!r}; use ddp, ddp:tree, local_sgd:H, ps:K, "
+        "ps-colocated[:K], fsdp, hsdp:S (shard group), tp:T:ACTIVATION_MB, "
+        "compressed:RATIO[:ENCODE_MS], pipeline:P:M or pp:P:M:ACTIVATION_MB"
     )
 
 
