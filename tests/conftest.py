@@ -174,9 +174,9 @@ def built_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None]) 
     return path
 
 
-# A fault test too long for make test's budget (a 2-core machine's CPU is its limit: every
+# A test too long for make test's budget (a 2-core machine's CPU is its limit: every
 # process a test starts imports torch, about 1.3 s of a core) runs in every `make stress`
-# round instead, where SCALETRAIN_STRESS_SEED is set.
+# round instead, where SCALETRAIN_STRESS_SEED is set (scripts/stress.py lists each one).
 stress_only = pytest.mark.skipif(
     not os.environ.get("SCALETRAIN_STRESS_SEED"), reason="runs in make stress (make test's budget)"
 )

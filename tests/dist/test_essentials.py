@@ -14,7 +14,7 @@ import torch
 import scaletrain
 from scaletrain.config import RunConfig, with_overrides
 from scaletrain.schedule import lr_factor
-from tests.conftest import assert_no_orphans
+from tests.conftest import assert_no_orphans, stress_only
 
 # 110 samples in global steps of 30: three of 30, then one of 20 (uneven on purpose).
 BASE = {"dataset": "digits", "num_samples": 110, "model": "cnn", "width": 8, "epochs": 2,
@@ -188,6 +188,7 @@ def test_activation_checkpointing_keeps_the_weights(tmp_path):
         assert max_diff(plain, ckpt) <= 1e-6, strategy
 
 
+@stress_only  # 26-35 s of compiling; every make stress round runs it (make test: the matrix's)
 def test_compile_captures_graphs_and_trains_the_same(tmp_path):
     """torch.compile under fsdp, whose units scaletrain compiles one by one after sharding:
     graphs were captured on every rank (no silent fallback to eager) and 8 steps end close

@@ -4,8 +4,10 @@ at a small size: W processes on loopback, a bsp parameter server's rounds over i
 from __future__ import annotations
 
 from scaletrain.analysis.probe import probe_host, probe_ps
+from tests.conftest import stress_only
 
 
+@stress_only  # 18-24 s; every make stress round runs it, and make scale the probes themselves
 def test_the_probes_measure_the_cpu_of_collectives_and_of_parameter_server_rounds():
     [probed] = probe_host(0.002, [2], pieces=4)
     assert probed.world == 2 and 0 < probed.collective_cpu_s < 1 and probed.slowdown > 0

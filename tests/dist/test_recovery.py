@@ -24,6 +24,7 @@ from tests.conftest import (
     listeners_while_running,
     run_cli,
     start_local_nodes,
+    stress_only,
 )
 
 
@@ -292,6 +293,7 @@ def test_a_node_joining_late_grows_the_world_in_a_new_attempt(tmp_path):
     assert_no_orphans(out)
 
 
+@stress_only  # 15-24 s; every make stress round runs it
 def test_nodes_without_a_shared_run_directory_are_told_so_on_restart(tmp_path):
     """Two nodes, each with its own --out: after a restart only node 0 finds the checkpoint.
     Resuming would split the ranks between two states; every rank stops and says why."""
