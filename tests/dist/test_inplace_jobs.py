@@ -57,6 +57,9 @@ def test_one_replica_writes_each_checkpoint(inplace_uninterrupted):
     assert writers == {step: 1 for step in range(10, clean["steps"] + 1, 10)}, writers
     assert clean["checkpointing"]["saves"] == 4 and clean["checkpointing"]["mode"] == "every"
     assert clean["recoveries"] == [] and clean["replicas_agree"]
+    # Every step with both replicas, the first one too (wait_for_peers: the bitwise
+    # comparison below rests on it).
+    assert {r["participants"] for r in records} == {2}
 
 
 def test_a_killed_in_place_job_continues_from_its_checkpoint_bit_identical(

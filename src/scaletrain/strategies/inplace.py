@@ -144,8 +144,12 @@ def tensor_bytes(state: Any) -> int:
 
 
 def wait_for_peers(run_dir: Path, job_run: int, rank: int, world: int, timeout_s: float) -> None:
-    """A job run's first start only: every replica announces itself and waits for all, so
-    the first step runs with all of them instead of with whichever imported torch first."""
+    """A job run's first start only, just before its first quorum: every replica announces
+    itself and waits for all, so the first step runs with all of them instead of with
+    whichever got there first. Just before: a quorum waits 5 s (JOIN_TIMEOUT_MS) for a live
+    replica that has not asked yet, and on a loaded host the rest of a replica's start-up
+    (the loop's set-up, a checkpoint to load) took longer than that: the first step ran
+    without it, and a --deterministic run no longer matched its twin."""
     ready = run_dir / "logs" / "ready" / f"job{job_run}"
     ready.mkdir(parents=True, exist_ok=True)
     (ready / f"replica{rank}").touch()
@@ -196,9 +200,7 @@ class InplaceStrategy(Strategy):
                 heartbeat_interval=timedelta(milliseconds=100),
             )
         self.run_dir = Path(cfg.out)
-        if ctx.attempt == 0:
-            wait_for_peers(self.run_dir, ctx.job_run, ctx.rank, ctx.world_size,
-                           cfg.launch.timeout_s)  # fmt: skip
+        self.peers_pending = ctx.attempt == 0  # QuorumPlan.next_step waits for them once
 
     def build_plan(self, dataset: Any) -> BatchPlan:
         self.plan = QuorumPlan(self, dataset)
@@ -437,8 +439,14 @@ class QuorumPlan(SampledPlan):
             return None  # this replica's run is over too: it finishes (and reports) normally
         if self._run_ended():
             raise RunEnded("the other replicas finished the run before this one rejoined")
+        strategy = self.strategy
+        if strategy.peers_pending:  # this job run's first quorum: with every replica
+            strategy.peers_pending = False
+            ctx = strategy.ctx
+            wait_for_peers(self.run_dir, ctx.job_run, ctx.rank, ctx.world_size,
+                           self.cfg.launch.timeout_s)  # fmt: skip
         t0 = time.perf_counter()
-        self.strategy.manager.start_quorum()  # heals first if this replica is behind
+        strategy.manager.start_quorum()  # heals first if this replica is behind
         quorum_s = time.perf_counter() - t0
         if self._run_ended():
             raise RunEnded("the other replicas finished the run while this one healed")
