@@ -69,6 +69,7 @@ FAULT_TESTS = [
     # No fault, but too long for make test's budget (tests/conftest.py's stress_only).
     "tests/dist/test_essentials.py::test_compile_captures_graphs_and_trains_the_same",
     "tests/dist/test_probe.py",
+    "tests/e2e/test_cli.py::test_deterministic_runs_give_identical_weights",
 ]
 # Tests in those files that inject no fault: accuracy under each optimizer and consistency
 # (the four async ones are a third of a round's time), equalities and input checks. They run in

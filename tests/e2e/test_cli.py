@@ -8,7 +8,7 @@ import socket
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import REPO, assert_no_orphans, run_cli
+from tests.conftest import REPO, assert_no_orphans, run_cli, stress_only
 
 
 def read_summary(out):
@@ -77,6 +77,9 @@ def test_config_file_and_flags_override_it(tmp_path):
     assert f'out = "{out}"' in resolved
 
 
+# 17-22 s; every make stress round runs it (make test: every bitwise resume test compares
+# two --deterministic runs of one seed)
+@stress_only
 def test_deterministic_runs_give_identical_weights(tmp_path):
     def weights_hash(name: str, seed: int) -> str:
         out = tmp_path / name
