@@ -7,8 +7,10 @@ down whenever its worker moves to another module, then trained again when it com
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -86,6 +88,17 @@ def assert_no_orphans(run_dir: Path, grace_s: float = 10.0) -> None:
     while processes_mentioning(str(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_mentioning(str(run_dir)) == [], f"processes of {run_dir} still alive"
+
+
+def kill_job(proc: subprocess.Popen, run_dir: Path) -> None:
+    """The whole job SIGKILLed at once (its machine went away): the launcher's process group,
+    then whatever still names the run directory; nothing of it may be left."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in processes_mentioning(str(run_dir)):  # the workers die with their launcher
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert_no_orphans(run_dir)
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,7 +79,7 @@ class Checkpointing(NoCheckpoints):
         self._last: float | None = None
         self._blocked = 0.0
         self._unsettled = False  # a synchronous save whose ranks have not agreed yet (settle)
-        self.wrote = True  # whether the last save wrote (a replica that is not the writer not)
+        self.wrote = True  # whether the last save wrote here (writes_this_step)
         self.plan: dict[str, Any] = {}
 
     def maybe_save(self) -> float:
@@ -152,13 +153,35 @@ class Checkpointing(NoCheckpoints):
         if self.saved_step == t.progress.step:
             return 0.0
         self.saved_step = t.progress.step
+        self.wrote = self.writes_this_step()
+        if not self.wrote:
+            return 0.0
         # A synchronous save waits for a background write in flight: they land in order.
         blocked = 0.0 if background else self.wait()
+        started = time.perf_counter()
+        write = self.prepare(background=background)
+        if background and self.writer is not None:
+            self.writer.submit(write)
+        else:
+            write()
+            self._unsettled = True
+            if not periodic:
+                self.settle()
+        return blocked + time.perf_counter() - started
+
+    def writes_this_step(self) -> bool:
+        """Whether this process writes the current step's checkpoint (here every rank writes
+        its part of it)."""
+        return True
+
+    def prepare(self, *, background: bool) -> Callable[[], None]:
+        """Gather what the current step's checkpoint holds (the collective part, sharded state,
+        now) and return what writes it to disk (now, or in the background: then from copies)."""
+        t = self.trainer
         step, rank, main = t.progress.step, t.ctx.rank, t.ctx.is_main
         strategy = t.strategy
         collective = strategy.collective_state_dict  # sharded state: every rank saves
         t.watchdog.enter(step, "writing a checkpoint", "sharded save" if collective else "")
-        started = time.perf_counter()
         directory, keep = t.run_dir / "checkpoints", t.cfg.fault.keep_checkpoints
         rng = rng_state()
         own = {"rng": rng, "strategy": strategy.rank_state_dict()}
@@ -188,14 +211,7 @@ class Checkpointing(NoCheckpoints):
                 for fault in t.faults:
                     fault.after_checkpoint(step, path, t.ctx.restart_count)
 
-        if background and self.writer is not None:
-            self.writer.submit(write)
-        else:
-            write()
-            self._unsettled = True
-            if not periodic:
-                self.settle()
-        return blocked + time.perf_counter() - started
+        return write
 
     def settle(self) -> None:
         """After a synchronous save, once this rank has written the step's record: wait until
@@ -231,18 +247,13 @@ class ReplicaCheckpointing(Checkpointing):
     a replica's random stream continues from the writer's. Under ``auto`` each replica plans
     from its own measurements (the writer's are those of the saves)."""
 
-    def save(self, *, background: bool = False, periodic: bool = False) -> float:
+    def writes_this_step(self) -> bool:
+        return self.trainer.strategy.eval_part()[0] == 0  # quorum rank 0 of this step writes
+
+    def prepare(self, *, background: bool) -> Callable[[], None]:
         t = self.trainer
-        if self.saved_step == t.progress.step:
-            return 0.0
-        self.saved_step = t.progress.step
-        self.wrote = t.strategy.eval_part()[0] == 0  # quorum rank 0 of this step writes
-        if not self.wrote:
-            return 0.0
-        blocked = 0.0 if background else self.wait()
         step = t.progress.step
         t.watchdog.enter(step, "writing a checkpoint", "")
-        started = time.perf_counter()
         directory, keep = t.run_dir / "checkpoints", t.cfg.fault.keep_checkpoints
         # world_size 0: no per-rank state file belongs with it (fault/recovery.own_state).
         state = checkpoint_state(t.training_state(), t.progress, t.cfg.hash(), [rng_state()], 0,
@@ -255,11 +266,7 @@ class ReplicaCheckpointing(Checkpointing):
             for fault in t.faults:
                 fault.after_checkpoint(step, path, t.ctx.restart_count)
 
-        if background and self.writer is not None:
-            self.writer.submit(write)
-        else:
-            write()
-        return blocked + time.perf_counter() - started
+        return write
 
     def agreed_max(self, values: torch.Tensor) -> torch.Tensor:
         return values  # no group: each replica's own

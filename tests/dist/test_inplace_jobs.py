@@ -8,7 +8,6 @@ loopback."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ from scaletrain.fault.jobs import job_runs_path
 from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
 from scaletrain.io import append_jsonl, read_jsonl
 from scaletrain.launch.jobs import plan_job_run
-from tests.conftest import assert_no_orphans, processes_mentioning, run_cli
+from tests.conftest import assert_no_orphans, kill_job, run_cli
 from tests.dist.test_jobs import start, wait_for_step
 
 DIGITS = 1437  # training samples of the built-in digits set
@@ -69,12 +68,7 @@ def test_a_killed_in_place_job_continues_from_its_checkpoint_bit_identical(
     # Slowed (sleeps, the same math) so the kill lands mid-run.
     proc = start(*JOB, "--inject", "slow:rank=0:factor=4", "--out", str(out))
     wait_for_step(out, 25, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for pid in processes_mentioning(str(out)):  # the replicas die with their launcher
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert_no_orphans(out)
+    kill_job(proc, out)
     result = run_cli("run", *JOB, "--out", str(out))
     assert result.returncode == 0, result.stderr
     got = summary(out)

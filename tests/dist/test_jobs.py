@@ -17,7 +17,7 @@ import pytest
 
 from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
 from scaletrain.io import read_jsonl
-from tests.conftest import REPO, assert_no_orphans, processes_mentioning, run_cli
+from tests.conftest import REPO, assert_no_orphans, kill_job, run_cli
 
 DIGITS = 1437  # training samples of the built-in digits set
 # 23 steps an epoch with 2 workers x 32; --deterministic so runs compare bit for bit.
@@ -94,11 +94,7 @@ def test_killed_job_resumes_from_its_newest_checkpoint(tmp_path, uninterrupted):
     out = tmp_path / "run"
     proc = start(*JOB, "--inject", "slow:rank=0:factor=4", "--out", str(out))
     wait_for_step(out, 45, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for pid in processes_mentioning(str(out)):  # the workers die with their agent
-        os.kill(pid, signal.SIGKILL)
-    assert_no_orphans(out)
+    kill_job(proc, out)
     result = run_cli("run", *JOB, "--out", str(out))
     assert result.returncode == 0, result.stderr
     got = summary(out)
