@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,11 @@ from scaletrain.fault.checkpoint import (
     snapshot,
 )
 from scaletrain.fault.interval import interval_steps, optimal_interval_s, predicted_overhead
-from scaletrain.fault.recovery import checkpoint_state, rng_state
+from scaletrain.fault.recovery import Progress, checkpoint_state, rng_state
 from scaletrain.loop import Loop
+
+if TYPE_CHECKING:
+    from scaletrain.strategies.inplace import InplaceStrategy
 
 # Under auto, the first save comes after this many steps (its cost is measured there).
 AUTO_FIRST_STEPS = 10
@@ -238,33 +241,52 @@ class Checkpointing(NoCheckpoints):
 
 
 class ReplicaCheckpointing(Checkpointing):
-    """In-place recovery's checkpoints (FleetWorld.checkpointing): the replicas hold the same
-    state after every committed step, so one writes it, the replica of quorum rank 0 in the
-    step just committed, and the others go on without waiting (there is no group to settle
-    over). They are for losing every replica at once: a replica that dies alone heals from a
-    live peer, and the job reads a checkpoint only when the same command starts it again
-    (FleetWorld.resume). The writer's RNG states go into the checkpoint, no per-rank files:
-    a replica's random stream continues from the writer's. Under ``auto`` each replica plans
-    from its own measurements (the writer's are those of the saves)."""
+    """In-place recovery's checkpoints (FleetWorld.checkpointing): the state every replica
+    holds alike (after a committed step; local SGD's, the last synchronization's: the
+    strategy's ``consistent_state``) is written once, by the replica of quorum rank 0, and the
+    others go on without waiting (there is no group to settle over). They are for losing
+    every replica at once: a replica that dies alone heals from a live peer, and the job reads
+    a checkpoint only when the same command starts it again (FleetWorld.resume). The writer's
+    RNG states go into the checkpoint; what differs between replicas (local SGD's optimizer
+    states: ``replica_state``) each replica writes beside it, and one whose file is missing
+    continues from the writer's. Under ``auto`` each replica plans from its own
+    measurements (the writer's are those of the saves)."""
+
+    written_step = -1  # the step of the last state written (local SGD's can repeat)
 
     def writes_this_step(self) -> bool:
-        return self.trainer.strategy.eval_part()[0] == 0  # quorum rank 0 of this step writes
+        t = self.trainer
+        strategy = cast("InplaceStrategy", t.strategy)
+        self._main = strategy.eval_part()[0] == 0  # quorum rank 0 of this step
+        self._state = strategy.consistent_state()
+        self._own = strategy.replica_state(self._state)
+        if not self._main and self._own is None:
+            return False
+        step = int(self._state["progress"]["step"])  # 0: a local-SGD job before any round
+        return step > 0 and step != self.written_step
 
     def prepare(self, *, background: bool) -> Callable[[], None]:
-        t = self.trainer
-        step = t.progress.step
+        t, held, own, main = self.trainer, self._state, self._own, self._main
+        progress = Progress(**held["progress"])
+        step = self.written_step = progress.step
         t.watchdog.enter(step, "writing a checkpoint", "")
         directory, keep = t.run_dir / "checkpoints", t.cfg.fault.keep_checkpoints
-        # world_size 0: no per-rank state file belongs with it (fault/recovery.own_state).
-        state = checkpoint_state(t.training_state(), t.progress, t.cfg.hash(), [rng_state()], 0,
+        training = {key: held[key] for key in ("strategy", "sampler", "essentials")}
+        # world_size 0: a replica's own file may be missing (fault/recovery.own_state).
+        rng = held.get("rng") or rng_state()
+        state = checkpoint_state(training, progress, t.cfg.hash(), [rng], 0,
                                  math_hash=t.cfg.math_hash())  # fmt: skip
         if background:
             state = snapshot(state)
 
         def write() -> None:
-            path = save_checkpoint(directory, step, state, keep)
-            for fault in t.faults:
-                fault.after_checkpoint(step, path, t.ctx.restart_count)
+            if own is not None:
+                save_rank_state(rng_path(directory, step, t.ctx.rank), own)
+            if main:
+                path = save_checkpoint(directory, step, state, keep)
+                prune_rng_files(directory)
+                for fault in t.faults:
+                    fault.after_checkpoint(step, path, t.ctx.restart_count)
 
         return write
 

@@ -3,8 +3,9 @@
 - ``restart``: torch's elastic agent; the group restarts from the newest checkpoint when a
   worker dies or hangs (agent.py). Every flag applies.
 - ``inplace`` (``--recovery inplace``): torchft; survivors go on, a restarted replica heals
-  from a live peer (inplace.py, strategies/inplace.py); a stuck one is ended by its own
-  watchdog and restarted. Nothing is rolled back, so there are no checkpoints.
+  from a live peer (inplace.py, strategies/inplace.py; local SGD and DiLoCo at each
+  synchronization, strategies/inplace_rounds.py); a stuck one is ended by its own watchdog
+  and restarted. Nothing is rolled back; checkpoints are for losing every replica at once.
 - ``ps`` (``--strategy ps``): parameter servers and workers (ps.py, strategies/param_server/).
 
 All three run the same training loop in their workers (trainer.py); launch/__init__.py
@@ -21,6 +22,8 @@ from __future__ import annotations
 from scaletrain.config import RunConfig, parse_nnodes
 
 MODES = ("restart", "inplace", "ps")
+# The strategies --recovery inplace runs (strategies/inplace.py, inplace_rounds.py).
+INPLACE_STRATEGIES = ("ddp", "local_sgd", "diloco")
 # Measured: a hang injected under ps left the job running until it was killed (the survivors
 # finish, the silent process never ends). The restart mode's watchdog ends it, and in place
 # each replica's own (fault/watchdog.py's SelfWatchdog).
@@ -59,10 +62,17 @@ def refusals(cfg: RunConfig) -> list[str]:
     out = []
     if mode == "inplace":
         name = "--recovery inplace"
-        if cfg.train.strategy != "ddp":
+        if cfg.train.strategy not in INPLACE_STRATEGIES:
             out.append(
-                "recovery: inplace recovery runs data parallel training (--strategy ddp), not "
-                f"{cfg.train.strategy!r}"
+                "recovery: inplace recovery runs data parallel training (--strategy ddp, "
+                f"local_sgd or diloco), not {cfg.train.strategy!r}"
+            )
+        if cfg.train.strategy in ("local_sgd", "diloco") and cfg.train.balance == "speed":
+            out.append(
+                f"balance: under {name} --strategy {cfg.train.strategy} deals a round of "
+                "--sync-every steps at each synchronization, evenly; the rates --balance speed "
+                "splits by ride on every step's gradient all-reduce, which local SGD does "
+                "not have: drop --balance speed (or use --strategy ddp)"
             )
         compressor = cfg.comm.compression.split(":")[0].strip()
         if compressor in INPLACE_REFUSED_COMPRESSORS:

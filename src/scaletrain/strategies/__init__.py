@@ -24,6 +24,8 @@ _CLASSES: dict[str, str] = {
     "tensor": "scaletrain.strategies.tensor:TensorStrategy",
     "ps": "scaletrain.strategies.param_server.worker:PSWorkerStrategy",
 }
+# local_sgd and diloco in place: rounds with the quorum at each synchronization.
+_INPLACE_ROUNDS = "scaletrain.strategies.inplace_rounds:InplaceRoundsStrategy"
 # What a mode runs in place of the strategy the user named (the launcher checks the pair).
 _MODE_CLASSES: dict[str, str] = {
     "inplace": "scaletrain.strategies.inplace:InplaceStrategy",
@@ -39,6 +41,8 @@ def stepping_class(cfg: RunConfig, mode: str) -> type[Strategy]:
     """The strategy a worker of ``mode`` steps with: the one the user named, or the one the
     mode runs in its place (torchft's for in-place recovery)."""
     target = _MODE_CLASSES.get(mode)
+    if mode == "inplace" and cfg.train.strategy in ("local_sgd", "diloco"):
+        target = _INPLACE_ROUNDS
     if target is None:
         return strategy_class(cfg.train.strategy)
     module, _, name = target.partition(":")

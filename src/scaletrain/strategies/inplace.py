@@ -219,7 +219,18 @@ class InplaceStrategy(Strategy):
             load(state)
 
         self.healed_bytes = 0
+        self._live_state = save
         self.manager.register_state_dict_fn("trainer", healed, save)
+
+    def consistent_state(self) -> dict[str, Any]:
+        """The state every replica holds alike, with its progress (what a checkpoint of the
+        job holds): after a committed step, the live one."""
+        return self._live_state()
+
+    def replica_state(self, held: dict[str, Any]) -> dict[str, Any] | None:
+        """What of ``held`` (a consistent_state) differs between replicas and so each writes
+        beside a checkpoint of it (None: nothing; after a committed step they are alike)."""
+        return None
 
     @property
     def model(self) -> nn.Module:
