@@ -56,6 +56,7 @@ FAULT_TESTS = [
     "tests/dist/test_ps_beat.py",
     "tests/dist/test_inplace.py",
     "tests/dist/test_inplace_jobs.py",
+    "tests/dist/test_inplace_rounds.py",
     "tests/dist/test_failures.py",
     "tests/dist/test_jobs.py",
     "tests/dist/test_preempt_anytime.py",  # every moment under a stress seed (3 in make test)
@@ -66,6 +67,13 @@ FAULT_TESTS = [
     # A replica stuck in place, ended by its own watchdog, restarted and healed.
     "tests/dist/test_modes.py::test_every_cell_works_or_is_refused_before_start"
     "[inject hang-inplace]",
+    # Local SGD in place: the modes matrix's runs beyond its steady group (test_modes.py's
+    # STRESS_ONLY_GROUPS).
+    *(
+        f"tests/dist/test_modes.py::test_every_cell_works_or_is_refused_before_start[{flag}-"
+        "inplace-rounds]"
+        for flag in ("inject kill", "inject hang", "compile", "activation-checkpointing")
+    ),
     # No fault, but too long for make test's budget (tests/conftest.py's stress_only).
     "tests/dist/test_essentials.py::test_compile_captures_graphs_and_trains_the_same",
     "tests/dist/test_probe.py",

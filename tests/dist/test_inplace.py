@@ -162,6 +162,7 @@ def test_inplace_refuses_what_it_cannot_do():
         ({"nnodes": "1:2", "rdzv_endpoint": "127.0.0.1:29999"}, "starts a fixed set of replicas"),
         ({"compression": "powersgd:rank=2"}, "carries fp16 and bf16 gradients, not powersgd"),
         ({"compression": "topk"}, "torchft carries only all-reduces"),
+        ({"strategy": "local_sgd", "balance": "speed"}, "deals a round of --sync-every steps"),
     ]:
         with pytest.raises(ValueError, match=message):
             describe_plan(with_overrides(RunConfig(), {**base, **overrides}))

@@ -14,6 +14,7 @@ in its own output, so a flag that silently did nothing still fails its own cell.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 from scaletrain.config import RunConfig, with_overrides
+from scaletrain.env import STRESS_SEED
 from scaletrain.io import read_jsonl
 from scaletrain.launch import describe_plan
 from scaletrain.launch.modes import mode_of
@@ -30,8 +32,17 @@ from tests.conftest import run_cli
 MODES = {
     "restart": ({}, None),
     "inplace": ({"recovery": "inplace"}, "--recovery inplace"),
+    # Local SGD in place: rounds, the quorum at each synchronization (every 2 steps here).
+    "inplace-rounds": (
+        {"recovery": "inplace", "strategy": "local_sgd", "sync_every": 2},
+        "--recovery inplace|--strategy local_sgd",
+    ),
     "ps": ({"strategy": "ps", "nproc_per_node": 3, "num_servers": 1}, "--strategy ps"),
 }
+# The inplace-rounds row runs its steady group in make test; its fault, compile and
+# activation-checkpointing runs (the inplace row's machinery, dealt in rounds) in every
+# make stress round (scripts/stress.py lists them): make test's budget.
+STRESS_ONLY_GROUPS = {"inplace-rounds": {"faults", "hang", "compile", "blocks"}}
 # 2 workers (ps: and a server), 96 digits in steps of 8 a worker: 6 steps an epoch.
 BASE = {"nproc_per_node": 2, "num_samples": 96, "batch_size": 8, "model": "mlp", "width": 8,
         "epochs": 2, "seed": 1, "num_threads": 1}  # fmt: skip
@@ -62,6 +73,9 @@ FLAGS: dict[str, dict[str, Any]] = {
 # (mode, flag) -> why it is refused; every other cell runs.
 REFUSED = {
     ("inplace", "inject corrupt"): "a checkpoint is read only when the whole job starts again",
+    ("inplace-rounds", "inject corrupt"): "as in place",
+    ("inplace-rounds", "balance"): "a round is dealt evenly at each synchronization",
+    ("inplace-rounds", "compression"): "local SGD averages models: no gradient hooks",
     ("ps", "checkpoint-async"): "the servers always write in the background",
     ("ps", "hang-timeout"): "--barrier-timeout-s and --timeout-s drop silent peers",
     ("ps", "inject hang"): "measured: nothing ended the silent process",
@@ -93,7 +107,7 @@ def config(mode: str, flags: list[str]) -> RunConfig:
     for flag in flags:
         overrides |= FLAGS[flag]
     cfg = with_overrides(RunConfig(), overrides)
-    assert mode_of(cfg) == mode
+    assert mode_of(cfg) == mode.partition("-")[0]
     return cfg
 
 
@@ -259,6 +273,8 @@ def test_every_cell_works_or_is_refused_before_start(root, mode, flag):
             describe_plan(cfg)
         return
     describe_plan(cfg)  # accepted by every pre-start check
+    if GROUP_OF[flag] in STRESS_ONLY_GROUPS.get(mode, ()) and not os.environ.get(STRESS_SEED):
+        pytest.skip("runs in make stress (make test's budget)")
     EFFECTS[flag](group_run(mode, GROUP_OF[flag], root), mode)
 
 
