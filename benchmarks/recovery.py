@@ -10,9 +10,13 @@ checkpointing in the background costs the step almost nothing.
    lighthouse's heartbeat timeout), resumed_s quorum -> their first committed step; no
    checkpoints, nothing rolls back. Floor: inplace <= 2 s. Also printed: how long the
    restarted rank 1 took from its relaunch to its first step back in the group (rejoin_s).
-   The same in place with the gradient all-reduce in fp16 (--compression fp16), same floor.
+   The same in place with the gradient all-reduce in fp16 (--compression fp16), and with
+   local SGD and DiLoCo (--sync-every 8), same floor: there the survivors' next quorum is
+   their next synchronization (detected_s holds their local steps up to it: they do not
+   stop), and the dead replica's steps of its round are lost (printed; their samples are
+   trained again).
    Healing: the bytes a restarted replica copied from a live peer and how fast (a model of
-   68 MB; the copy's time is the healing step's quorum wait, so the rate is a lower bound).
+   68 MB; the copy's own time, torchft's checkpoint transport timed), ddp and DiLoCo.
 2. Checkpoint overhead at --checkpoint-every 10, synchronous vs --checkpoint-async, against no
    checkpoints, runs interleaved: the share of rank 0's training loop spent blocked on
    checkpoints (time_breakdown.checkpoint_s / wall_s; the direct measure), and the slowdown
@@ -76,7 +80,7 @@ def recovery_times(tmp: Path, repeats: int) -> None:
         "hang (restart)": ["--inject", "hang:rank=1:step=30", "--hang-timeout-s", "5"],
     }
     print("failure -> resumed, restart mode (median over repeats)")
-    print(f"{'fault':<20} {'detected_s':>10} {'resumed_s':>10} {'total_s':>8}  floor")
+    print(f"{'fault':<22} {'detected_s':>8} {'resumed_s':>10} {'total_s':>8}  floor")
     for name, extra in faults.items():
         rows: list[tuple[float, float]] = []
         for i in range(repeats):
@@ -89,56 +93,77 @@ def recovery_times(tmp: Path, repeats: int) -> None:
         total = detected + resumed
         verdict = (f"<= 10 s: {FLOORS.check(f'{name}: failure to resumed <= 10 s', total <= 10)}"
                    if "kill" in name else "-")  # fmt: skip
-        print(f"{name:<20} {detected:10.2f} {resumed:10.2f} {total:8.2f}  {verdict}")
-    # In place: plain, and with the gradient all-reduce in fp16 (--compression fp16).
+        print(f"{name:<22} {detected:8.2f} {resumed:10.2f} {total:8.2f}  {verdict}")
+    # In place: plain, with the gradient all-reduce in fp16 (--compression fp16), and local
+    # SGD and DiLoCo (rounds of 8 steps, an epoch's last of 7: the kill lands in steps 24-31).
+    rounds = ["--sync-every", "8"]
     for name, extra in {
         "kill (inplace)": [],
         "kill (inplace, fp16)": ["--compression", "fp16"],
+        "kill (inplace, lsgd)": ["--strategy", "local_sgd", *rounds],
+        "kill (inplace, diloco)": ["--strategy", "diloco", *rounds],
     }.items():
-        rows, rejoins = [], []
+        rows, rejoins, heals, lost = [], [], [], []
         for i in range(repeats):
             # 20 epochs: long enough for the restarted rank to rejoin before the end.
             args = ["--recovery", "inplace", "--max-restarts", "1",
                     "--inject", "kill:rank=1:step=30", *extra]  # fmt: skip
-            summary = run(args, tmp / f"inplace{'-fp16' if extra else ''}-{i}")
+            summary = run(args, tmp / f"{name.split('(')[1].strip(')').replace(', ', '-')}-{i}")
             [recovery] = summary["recoveries"]
             rows.append((recovery["detected_s"], recovery["resumed_s"]))
             if recovery.get("rejoin_s") is not None:
                 rejoins.append(recovery["rejoin_s"])
+            if recovery.get("healed_bytes"):
+                heals.append((recovery["healed_bytes"], recovery["heal_s"]))
+            lost.append(recovery.get("lost_work_steps", 0))
         detected = statistics.median(d for d, _ in rows)
         resumed = statistics.median(r for _, r in rows)
         total = detected + resumed
         verdict = FLOORS.check(f"{name}: failure to resumed <= 2 s", total <= 2)
-        print(f"{name:<20} {detected:10.2f} {resumed:10.2f} {total:8.2f}  <= 2 s: {verdict}")
+        print(f"{name:<22} {detected:8.2f} {resumed:10.2f} {total:8.2f}  <= 2 s: {verdict}")
         if rejoins:
             print(f"  the restarted rank rejoined {statistics.median(rejoins):.1f} s after its "
                   f"relaunch ({len(rejoins)}/{repeats} runs; most of it a fresh Python "
                   "importing torch)")  # fmt: skip
+        if heals:
+            healed = statistics.median(b for b, _ in heals)
+            seconds = statistics.median(t for _, t in heals)
+            print(f"  it healed {healed / 1e6:.2f} MB from a peer in {seconds:.3f} s "
+                  f"({healed / seconds / 1e9:.3f} GB/s)")  # fmt: skip
+        if any(lost):
+            print(
+                f"  work lost with it: {statistics.median(lost):.0f} steps of its round "
+                "(its samples trained again by the next round)"
+            )
 
 
 def heal_throughput(tmp: Path, repeats: int) -> None:
     """A restarted replica copies the training state from a live peer (torchft's HTTP
     checkpoint transport): a model large enough for the copy to dominate (mlp, width 1024:
-    17M parameters, 68 MB, and as much SGD momentum). From summary.json's recovery: the bytes
-    healed and the healing step's quorum wait, which holds the copy (so the rate is a lower
-    bound). No floor: the anchor is torchft's process-group transport, about 2.2 GB/s."""
-    rows = []
-    for i in range(repeats):
-        args = ["--recovery", "inplace", "--max-restarts", "1", "--model", "mlp", "--width",
-                "1024", "--epochs", "4", "--num-threads", "1",
-                "--inject", "kill:rank=1:step=5,slow:rank=0:factor=3"]  # fmt: skip
-        [recovery] = run(args, tmp / f"heal-{i}")["recoveries"]
-        if recovery.get("healed_bytes"):
-            rows.append((recovery["healed_bytes"], recovery["heal_s"]))
-    if not rows:
-        sys.exit("heal throughput: the restarted replica never rejoined")
-    healed = statistics.median(b for b, _ in rows)
-    seconds = statistics.median(s for _, s in rows)
-    print(
-        f"\nheal from a peer (mlp width 1024, {len(rows)}/{repeats} runs rejoined, medians): "
-        f"{healed / 1e6:.0f} MB in {seconds:.2f} s, {healed / seconds / 1e9:.2f} GB/s "
-        "(quorum wait included; torchft's process-group transport: about 2.2 GB/s)"
-    )
+    17M parameters, 68 MB, and as much SGD momentum; DiLoCo in place also its global
+    parameters and outer momentum, from the state of the last synchronization). From
+    summary.json's recovery: the bytes healed and the copy's time (the transport's receive,
+    within the healing quorum). No floor: the anchor is torchft's process-group transport,
+    about 2.2 GB/s."""
+    for name, extra in {"ddp": [], "diloco": ["--strategy", "diloco", "--sync-every", "4"]}.items():
+        rows = []
+        for i in range(repeats):
+            args = ["--recovery", "inplace", "--max-restarts", "1", "--model", "mlp", "--width",
+                    "1024", "--epochs", "4", "--num-threads", "1",
+                    "--inject", "kill:rank=1:step=5,slow:rank=0:factor=3", *extra]  # fmt: skip
+            [recovery] = run(args, tmp / f"heal-{name}-{i}")["recoveries"]
+            if recovery.get("healed_bytes"):
+                rows.append((recovery["healed_bytes"], recovery["heal_s"]))
+        if not rows:
+            sys.exit(f"heal throughput ({name}): the restarted replica never rejoined")
+        healed = statistics.median(b for b, _ in rows)
+        seconds = statistics.median(s for _, s in rows)
+        print(
+            f"\nheal from a peer, {name} in place (mlp width 1024, {len(rows)}/{repeats} runs "
+            f"rejoined, medians): {healed / 1e6:.0f} MB in {seconds:.2f} s, "
+            f"{healed / seconds / 1e9:.2f} GB/s (torchft's process-group transport: about "
+            "2.2 GB/s)"
+        )
 
 
 def checkpoint_overhead(tmp: Path, repeats: int) -> None:

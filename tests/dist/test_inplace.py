@@ -55,10 +55,11 @@ def test_survivors_continue_and_a_restarted_worker_rejoins(tmp_path):
     first = rejoined[0]["step"]
     assert recovery["rejoined_step"] == first > 10
     # It copied the model and the optimizer's state at least (the sampler's too), and that
-    # copy is timed within its first step's quorum.
+    # copy is timed (within its first step's quorum).
     assert recovery["healed_bytes"] == rejoined[0]["healed_bytes"]
     assert recovery["healed_bytes"] >= summary["max_rank_state_bytes"] / 2
-    assert 0 < recovery["heal_s"] == rejoined[0]["quorum_s"] and recovery["heal_GBps"] > 0
+    assert 0 < recovery["heal_s"] == rejoined[0]["heal_copy_s"] <= rejoined[0]["quorum_s"]
+    assert recovery["heal_GBps"] > 0
     by_step = {r["step"]: r["participants"] for r in survivor}
     assert by_step[10] == 1 or by_step[11] == 1
     assert by_step[first] == 2 and by_step[summary["steps"]] == 2

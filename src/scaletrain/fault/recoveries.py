@@ -209,14 +209,20 @@ def inplace_recoveries(deaths: list[Record], records: list[Record], world: int) 
             quorum_at = first["unix_time"] - first["step_s"] + first["quorum_s"]
             entry["detected_s"] = max(quorum_at - died, 0.0)
             entry["resumed_s"] = first["unix_time"] - max(quorum_at, died)
+        # Local SGD in place: the steps of its round it had trained, lost with it (their
+        # samples were trained again).
+        lost = {(replica, rnd) for r in records for replica, rnd in r.get("lost", [])}
+        if lost:
+            entry["lost_work_steps"] = sum((rank, r.get("round")) in lost for r in mine)
         back = rejoin(records, death) if death["restarted"] else None
         if back is not None:
             entry["rejoined_step"] = back["step"]
             entry["rejoin_s"] = back["unix_time"] - death["restarted_at"]
             if back.get("healed_bytes"):  # the copy from a peer, within that step's quorum
                 entry["healed_bytes"] = back["healed_bytes"]
-                entry["heal_s"] = back["quorum_s"]
-                entry["heal_GBps"] = back["healed_bytes"] / max(back["quorum_s"], 1e-9) / 1e9
+                # The copy's own time where the record has it (else its quorum's wait).
+                entry["heal_s"] = back.get("heal_copy_s", back["quorum_s"])
+                entry["heal_GBps"] = back["healed_bytes"] / max(entry["heal_s"], 1e-9) / 1e9
         out.append(entry)
     return sorted(out, key=lambda e: e["failed_at"])
 

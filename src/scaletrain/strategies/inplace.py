@@ -25,8 +25,8 @@ The global batch follows the membership (the per-worker batch is kept); the lear
 not rescaled.
 
 Records carry ``participants`` and ``quorum_s`` (the time the step waited for its quorum);
-the step of a replica that healed before it also ``healed_bytes``, the tensors it copied
-(its quorum_s includes the copy).
+the step of a replica that healed before it also ``healed_bytes``, the tensors it copied,
+and ``heal_copy_s``, the copy's seconds (its quorum_s includes them).
 
 ``--balance speed`` in place: each replica's rate (samples per busy second over
 --balance-every steps) rides on every step's gradient all-reduce, in two small slots of
@@ -99,6 +99,14 @@ def bound_checkpoint_transport(addr: str, timeout: timedelta) -> Any:
         request_queue_size = 1024
 
     class BoundTransport(HTTPTransport[dict[str, Any]]):
+        recv_s = 0.0  # the last copy from a peer took (the state's transfer alone)
+
+        def recv_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            started = time.perf_counter()
+            state = super().recv_checkpoint(*args, **kwargs)
+            self.recv_s = time.perf_counter() - started
+            return state
+
         def __init__(self) -> None:
             super().__init__(timeout=timeout, num_chunks=0)
             handler = self._server.RequestHandlerClass  # type: ignore[has-type]
@@ -179,6 +187,7 @@ class InplaceStrategy(Strategy):
         # rendezvous keys there.
         addr = os.environ.get(env.ADDR, "127.0.0.1")
         self.store, self._listener = bound_store(addr, 0, cfg.launch.timeout_s)
+        self.transport = bound_checkpoint_transport(addr, timeout)
         with manager_server_bound_to(addr):
             self.manager = Manager(
                 pg=ProcessGroupGloo(timeout=timeout),
@@ -196,7 +205,7 @@ class InplaceStrategy(Strategy):
                 lighthouse_addr=os.environ[env.LIGHTHOUSE],
                 replica_id=f"replica{ctx.rank}",
                 hostname=url_host(addr),
-                checkpoint_transport=bound_checkpoint_transport(addr, timeout),
+                checkpoint_transport=self.transport,
                 heartbeat_interval=timedelta(milliseconds=100),
             )
         self.run_dir = Path(cfg.out)
@@ -215,12 +224,26 @@ class InplaceStrategy(Strategy):
         self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
     ) -> None:
         def healed(state: dict[str, Any]) -> None:
-            self.healed_bytes = tensor_bytes(state)  # the step's record says what was copied
+            self.note_healed(state)
             load(state)
 
         self.healed_bytes = 0
         self._live_state = save
         self.manager.register_state_dict_fn("trainer", healed, save)
+
+    def note_healed(self, state: dict[str, Any]) -> None:
+        """The quorum copied ``state`` from a peer: what the next step's record says."""
+        self.healed_bytes = tensor_bytes(state)
+        self.heal_copy_s = self.transport.recv_s
+
+    def heal_extras(self) -> dict[str, Any]:
+        """For the record of the step a heal came before: the bytes copied and the copy's
+        seconds (``heal_copy_s``; the quorum's wait also holds the wait for the quorum)."""
+        if not self.healed_bytes:
+            return {}
+        extras = {"healed_bytes": self.healed_bytes, "heal_copy_s": self.heal_copy_s}
+        self.healed_bytes = 0
+        return extras
 
     def consistent_state(self) -> dict[str, Any]:
         """The state every replica holds alike, with its progress (what a checkpoint of the
@@ -474,9 +497,7 @@ class QuorumPlan(SampledPlan):
         lo, hi = bounds
         shares = self._shares(n)
         extras: dict[str, Any] = {"quorum_s": quorum_s}
-        if self.strategy.healed_bytes:  # this quorum healed the replica from a peer
-            extras["healed_bytes"] = self.strategy.healed_bytes
-            self.strategy.healed_bytes = 0
+        extras |= self.strategy.heal_extras()
         if shares:
             extras["share"] = shares[rank]
         return StepPlan(

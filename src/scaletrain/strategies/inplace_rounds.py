@@ -50,7 +50,7 @@ from scaletrain.data.partition import split_counts
 from scaletrain.data.plans import RunEnded, StepPlan
 from scaletrain.fault.recovery import rng_state
 from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult
-from scaletrain.strategies.inplace import InplaceStrategy, QuorumPlan, tensor_bytes, wait_for_peers
+from scaletrain.strategies.inplace import InplaceStrategy, QuorumPlan, wait_for_peers
 from scaletrain.strategies.local_sgd import float_buffers
 
 
@@ -93,7 +93,7 @@ class InplaceRoundsStrategy(InplaceStrategy):
         """A healing peer gets the snapshot of the last synchronization, not the live state."""
 
         def healed(state: dict[str, Any]) -> None:
-            self.healed_bytes = tensor_bytes(state)
+            self.note_healed(state)
             load(state)
             # A synchronization's snapshot: the peers dealt a round after it (a job run's
             # first quorum copies the start state, torchft's initial sync: none).
@@ -398,9 +398,7 @@ class RoundPlan(QuorumPlan):
         extras: dict[str, Any] = {"quorum_s": quorum_s, "participants": n, "synced": total > 0}
         if attempts > 1:
             extras["sync_attempts"] = attempts
-        if strategy.healed_bytes:
-            extras["healed_bytes"] = strategy.healed_bytes
-            strategy.healed_bytes = 0
+        extras |= strategy.heal_extras()
         lost = self._close_round(progress, [float(x) for x in slots[1 : 1 + world]])
         if lost:
             extras["lost"] = lost
