@@ -288,7 +288,7 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
         (
             "memory per rank",
             f"training state {summary.get('max_rank_state_bytes', 0) / 1e6:.1f} MB "
-            f"(parameters, gradients, optimizer), process peak "
+            f"(parameters, gradients, optimizer, copies), process peak "
             f"{summary.get('max_rank_peak_rss_bytes', 0) / 1e6:.0f} MB",
         ),
         ("params sha256", summary["params_sha256"][:16] + "..."),

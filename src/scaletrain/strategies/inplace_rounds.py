@@ -50,7 +50,12 @@ from scaletrain.data.partition import split_counts
 from scaletrain.data.plans import RunEnded, StepPlan
 from scaletrain.fault.recovery import rng_state
 from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult
-from scaletrain.strategies.inplace import InplaceStrategy, QuorumPlan, wait_for_peers
+from scaletrain.strategies.inplace import (
+    InplaceStrategy,
+    QuorumPlan,
+    tensor_bytes,
+    wait_for_peers,
+)
 from scaletrain.strategies.local_sgd import float_buffers
 
 
@@ -145,10 +150,13 @@ class InplaceRoundsStrategy(InplaceStrategy):
         self.samples_since_sync = 0
 
     def memory_bytes(self) -> dict[str, int]:
+        """A replica's, DiLoCo's theta_global and outer momentum with the optimizer's, and
+        the snapshot of the last synchronization (a copy of all of it)."""
         out = super().memory_bytes()
-        if self.outer is not None:  # theta_global and the outer momentum
-            extra = 2 * sum(p.numel() * p.element_size() for p in self.global_params)
-            out = {**out, "optimizer": out.get("optimizer", 0) + extra}
+        if self.outer is not None:
+            out["optimizer_bytes"] += tensor_bytes(self.global_params)
+            out["optimizer_bytes"] += tensor_bytes(list(self.outer.state_dict()["state"].values()))
+        out["snapshot_bytes"] = tensor_bytes(self.snapshot) if self.snapshot is not None else 0
         return out
 
     # -- a local step -------------------------------------------------------------------------
