@@ -286,6 +286,7 @@ class FleetWorld(World):
         return (
             self._in_place(loop)
             and bool(loop.cfg.fault.checkpoints_on)
+            and loop.strategy.may_leave()
             and (preempt_path(loop.run_dir).exists())
         )
 

@@ -2,18 +2,22 @@
 clean run equals the restart mode's bit for bit; a replica SIGKILLed between two
 synchronizations costs only its own round (its samples are redone, its records named lost),
 and it rejoins healed; a whole job SIGKILLed continues from its checkpoint with the same
-command, bit-identical to the run never killed."""
+command, bit-identical to the run never killed; a preempted one (SIGTERM) leaves at a
+synchronization and continues."""
 
 from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 
 import pytest
 
+from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
 from scaletrain.io import read_jsonl
 from scaletrain.strategies.inplace_rounds import without_lost_work
-from tests.conftest import assert_no_orphans, kill_job, run_cli
+from tests.conftest import assert_no_orphans, kill_job, run_cli, stress_only
 from tests.dist.test_jobs import start, wait_for_step
 
 DIGITS = 1437  # training samples of the built-in digits set
@@ -123,8 +127,38 @@ def test_a_killed_job_continues_bit_identical(tmp_path, clean_rounds):
     [resume] = got["recoveries"]
     assert resume["kind"] == "resume" and resume["job_run"] == 1
     assert resume["step"] in (16, 28) and resume["lost_steps"] > 0
-    records = read_jsonl(out / "metrics.jsonl")
+    records = without_lost_work(read_jsonl(out / "metrics.jsonl"))
     redone = [r for r in records if r["job_run"] == 0 and r["step"] > resume["step"]]
     assert redone
     assert_each_sample_once_per_epoch([r for r in records if r not in redone], 2)
     assert got["replicas_agree"]
+
+
+@stress_only
+def test_a_preempted_job_leaves_at_a_synchronization_and_continues(tmp_path):
+    """SIGTERM: the replicas leave together just after a synchronization (after the first
+    step of a round), with its state checkpointed; none leaves mid-round, so no replica's
+    round is lost to the others (exit 3). The same command continues; every sample once."""
+    job = ["--recovery", "inplace", *JOB, "--strategy", "local_sgd"]
+    out = tmp_path / "run"
+    proc = start(*job, "--inject", "slow:rank=0:factor=4", "--out", str(out))
+    wait_for_step(out, 15, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, stderr
+    records = read_jsonl(out / "metrics.jsonl")
+    last = {rank: max(r["step"] for r in records if r["rank"] == rank) for rank in (0, 1)}
+    assert len(set(last.values())) == 1 and last[0] % 4 == 1, last  # a round's first step
+    assert not any("lost" in r for r in records)
+    index = json.loads((out / "checkpoints" / "index.json").read_text())
+    assert index[-1]["step"] == last[0] - 1
+    assert_no_orphans(out)
+    result = run_cli("run", *job, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    got = summary(out)
+    [resume] = got["recoveries"]
+    assert resume["cause"] == "job run 0 preempted" and resume["step"] == last[0] - 1
+    records = without_lost_work(read_jsonl(out / "metrics.jsonl"))
+    redone = [r for r in records if r["job_run"] == 0 and r["step"] > resume["step"]]
+    assert_each_sample_once_per_epoch([r for r in records if r not in redone], 2)
+    assert got["samples"] == 2 * DIGITS and got["replicas_agree"]

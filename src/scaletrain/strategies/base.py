@@ -214,6 +214,12 @@ class Strategy(StepEssentials, StrategyChecks, ABC):
         for strategies whose replicas drift apart between synchronizations."""
         return None
 
+    def may_leave(self) -> bool:
+        """Whether a replica may leave the job after the step just trained (a preemption in
+        place) with nothing of the others' lost: local SGD in place only just after a
+        synchronization, so that every replica leaves with the state of the same one."""
+        return True
+
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned, on every rank."""

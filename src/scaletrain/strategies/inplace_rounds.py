@@ -227,6 +227,12 @@ class InplaceRoundsStrategy(InplaceStrategy):
             for t, value in zip(buffers, pieces[len(params) :], strict=True):
                 t.copy_(value)
 
+    def may_leave(self) -> bool:
+        """Only after a round's first step: every replica looks there, so those that saw the
+        request leave with the same synchronization's state (one step trained after it is
+        lost). Leaving mid-round, a replica's round would be lost and redone by the others."""
+        return self.plan.next == 1
+
     def eval_model(self) -> nn.Module:
         """Between synchronizations the replicas differ: the model they last agreed on (the
         snapshot's). Right after one (and at the end), the replica itself."""
