@@ -67,6 +67,9 @@ FAULT_TESTS = [
     # A replica stuck in place, ended by its own watchdog, restarted and healed.
     "tests/dist/test_modes.py::test_every_cell_works_or_is_refused_before_start"
     "[inject hang-inplace]",
+    # A parameter-server worker stuck, ended by its own watchdog, restarted, its leases
+    # dealt again.
+    "tests/dist/test_modes.py::test_every_cell_works_or_is_refused_before_start[inject hang-ps]",
     # Local SGD in place: the modes matrix's runs beyond its steady group (test_modes.py's
     # STRESS_ONLY_GROUPS).
     *(

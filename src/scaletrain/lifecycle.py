@@ -239,12 +239,10 @@ class GroupWorld(World):
 
 class FleetWorld(World):
     def watchdog(self, loop: Loop) -> NullWatchdog:
-        """In place, each replica watches itself (a stuck one ends, is restarted and heals);
-        a parameter server's workers have none (their servers drop silent ones)."""
-        cfg = loop.cfg
-        if cfg.fault.recovery == "inplace" and cfg.train.strategy != "ps":  # launch's mode_of
-            return SelfWatchdog(rank=loop.ctx.rank, timeout_s=loop.cfg.hang_timeout_s)
-        return NullWatchdog()
+        """Each process watches itself: a stuck replica ends, is restarted and heals; a stuck
+        parameter-server worker ends, is restarted, and the servers deal its leases to the
+        others (they drop a silent one from a bsp barrier on their own too)."""
+        return SelfWatchdog(rank=loop.ctx.rank, timeout_s=loop.cfg.hang_timeout_s)
 
     def checkpointing(self, loop: Loop) -> NoCheckpoints:
         """In place, with --checkpoint-every: one replica writes each (ReplicaCheckpointing);

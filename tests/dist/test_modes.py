@@ -77,8 +77,6 @@ REFUSED = {
     ("inplace-rounds", "balance"): "a round is dealt evenly at each synchronization",
     ("inplace-rounds", "compression"): "local SGD averages models: no gradient hooks",
     ("ps", "checkpoint-async"): "the servers always write in the background",
-    ("ps", "hang-timeout"): "--barrier-timeout-s and --timeout-s drop silent peers",
-    ("ps", "inject hang"): "measured: nothing ended the silent process",
     ("ps", "inject corrupt"): "the servers keep checkpoints of their own",
     ("ps", "balance"): "leases are dealt by the servers",
     ("ps", "compression"): "the servers take whole gradients",

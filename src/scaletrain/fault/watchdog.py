@@ -139,14 +139,15 @@ class NullWatchdog:
 
 
 class SelfWatchdog(NullWatchdog):
-    """A replica's own watchdog, where the launcher supervises each process on its own (in-place
-    replicas): no store of the group's heartbeats, no group to diagnose. A process whose mark
-    has not moved for ``timeout_s`` outside any collective is the one stuck (waiting inside a
-    collective, it is a peer's fault: the collective's own timeout, the same value, ends that
-    wait and its replica goes on without the peer); it names itself in its log and exits
-    with HANG_EXIT_CODE, its launcher restarts it and it heals from a live peer. Inside a
-    collective it waits three times as long before ending itself, in case that timeout never
-    fires."""
+    """A process's own watchdog, where the launcher supervises each process on its own
+    (in-place replicas, parameter-server workers): no store of the group's heartbeats, no
+    group to diagnose. A process whose mark has not moved for ``timeout_s`` outside any
+    collective is the one stuck (waiting inside a collective, it is a peer's fault: the
+    collective's own timeout, the same value, ends that wait and its replica goes on without
+    the peer); it names itself in its log and exits with HANG_EXIT_CODE, and its launcher
+    restarts it (a replica heals from a live peer; a worker's leases go to the others).
+    Inside a collective it waits three times as long before ending itself, in case that
+    timeout never fires."""
 
     def __init__(self, *, rank: int, timeout_s: float) -> None:
         self.rank, self.timeout_s = rank, timeout_s
@@ -184,7 +185,7 @@ class SelfWatchdog(NullWatchdog):
                          else "outside any collective")  # fmt: skip
                 log.error(
                     "hang detected: rank %d has been in '%s' of step %d for %.0f s, %s "
-                    "(--hang-timeout-s %g): it leaves the quorum, and its launcher restarts it",
+                    "(--hang-timeout-s %g): it ends itself, and its launcher restarts it",
                     self.rank, beat.phase, beat.step, stalled, where, self.timeout_s,
                 )  # fmt: skip
                 for stream in (sys.stdout, sys.stderr):

@@ -7,11 +7,13 @@
   synchronization, strategies/inplace_rounds.py); a stuck one is ended by its own watchdog
   and restarted. Nothing is rolled back; checkpoints are for losing every replica at once.
 - ``ps`` (``--strategy ps``): parameter servers and workers (ps.py, strategies/param_server/).
+  The servers checkpoint their own partitions, always in the background; a silent worker is
+  dropped after --barrier-timeout-s, a silent node after --timeout-s; a worker stuck outside
+  its pushes, pulls and leases is ended by its own watchdog (--hang-timeout-s), restarted,
+  and its leases dealt to the others.
 
 All three run the same training loop in their workers (trainer.py); launch/__init__.py
 starts each one's launcher.
-  The servers checkpoint their own partitions, always in the background; a silent worker is
-  dropped after --barrier-timeout-s, a silent node after --timeout-s.
 
 A flag a mode would ignore is refused before any process starts, with a message that names
 the mode, instead of meaning something else there or nothing at all.
@@ -24,12 +26,13 @@ from scaletrain.config import RunConfig, parse_nnodes
 MODES = ("restart", "inplace", "ps")
 # The strategies --recovery inplace runs (strategies/inplace.py, inplace_rounds.py).
 INPLACE_STRATEGIES = ("ddp", "local_sgd", "diloco")
-# Measured: a hang injected under ps left the job running until it was killed (the survivors
-# finish, the silent process never ends). The restart mode's watchdog ends it, and in place
-# each replica's own (fault/watchdog.py's SelfWatchdog).
-_NO_HANG_WATCHDOG = (
-    "inject: under {name} nothing ends a silent worker process, so a hang would keep the job "
-    "from ever finishing; inject hang without {name} (the restart mode's watchdog ends it)"
+# A stuck process is ended by a watchdog: the restart mode's, in place and a parameter
+# server's workers each their own (fault/watchdog.py's SelfWatchdog). A parameter server's
+# servers have none yet: a hang injected there left the job running until it was killed.
+_NO_SERVER_HANG_WATCHDOG = (
+    "inject: hang:rank={rank} is a server under {name} (ranks {first}..{last}), and nothing "
+    "ends a silent server process yet, so the job would never finish; hang a worker (rank "
+    "below {first})"
 )
 
 
@@ -53,6 +56,12 @@ def mode_of(cfg: RunConfig) -> str:
 
 def _faults(cfg: RunConfig) -> set[str]:
     return {item.split(":")[0].strip() for item in cfg.fault.inject.split(",") if item.strip()}
+
+
+def _hung_ranks(cfg: RunConfig) -> list[int]:
+    from scaletrain.fault.inject import Hang, parse_inject
+
+    return [f.rank for f in parse_inject(cfg.fault.inject) if isinstance(f, Hang)]
 
 
 def refusals(cfg: RunConfig) -> list[str]:
@@ -110,19 +119,17 @@ def refusals(cfg: RunConfig) -> list[str]:
                 "dealt to the others, a dead server reloads its partition); drop --recovery "
                 "inplace"
             )
-        if cfg.fault.hang_timeout_s:
-            out.append(
-                f"hang_timeout_s: under {name} a silent worker is dropped after "
-                "--barrier-timeout-s (bsp) and a silent node after --timeout-s; drop "
-                "--hang-timeout-s"
-            )
         if "corrupt-checkpoint" in faults:
             out.append(
                 f"inject: corrupt-checkpoint damages the trainer's checkpoints; under {name} "
                 "the servers keep their own"
             )
-        if "hang" in faults:
-            out.append(_NO_HANG_WATCHDOG.format(name=name))
+        world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[0]
+        first = world - cfg.ps.num_servers
+        for rank in _hung_ranks(cfg):
+            if rank >= first:
+                out.append(_NO_SERVER_HANG_WATCHDOG.format(rank=rank, name=name, first=first,
+                                                           last=world - 1))  # fmt: skip
     return out
 
 

@@ -63,6 +63,7 @@ class ServerLost(RuntimeError):
 
 class PSWorkerStrategy(Strategy):
     collective = "parameter-server push and pull"
+    plan_collective = "parameter-server lease"  # a wait there is the servers' (ssp's bound)
     holds_final_model = False  # the servers hold it; the launcher assembles and scores it
     balance_refusal = (
         "asynchronous workers never wait for each other (asp, ssp); bsp deals leases of "
