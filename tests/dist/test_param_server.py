@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,15 @@ import torch
 from scaletrain.cli import main
 from scaletrain.fault.checkpoint import load_latest
 from scaletrain.io import read_jsonl
-from tests.conftest import REPO, assert_no_orphans, listeners_while_running, run_cli, stress_only
+from tests.conftest import (
+    REPO,
+    assert_no_orphans,
+    listeners_while_running,
+    processes_mentioning,
+    run_cli,
+    stress_only,
+)
+from tests.dist.test_jobs import start, wait_for_step
 
 DIGITS = 1437  # training samples of the built-in digits set
 PS = ["--strategy", "ps", "--nproc-per-node", "5", "--num-servers", "2"]
@@ -304,3 +316,52 @@ def test_asynchronous_modes_train_with_ddps_optimizer_flags(tmp_path, optimizer,
         if r["committed"]:
             assert r["lr_factor"] <= 1.0
     assert any(r["lr_factor"] < 1.0 for r in records)  # some pushes were stale, and damped
+
+
+def worker_pid(out, rank):
+    """The process of parameter-server worker ``rank`` of the run in ``out``."""
+    for pid in processes_mentioning(str(out)):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            f"RANK={rank}".encode() in environ
+            and b"scaletrain.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ):
+            return pid
+    return None
+
+
+def test_ssp_drops_a_frozen_worker_from_the_bound_after_the_hang_timeout(tmp_path):
+    """A worker frozen (SIGSTOP: its own watchdog is frozen with it) holds the others at the
+    staleness bound; after --hang-timeout-s without a push the servers drop it, name it, and
+    deal its lease to the others, who go on; resumed, it joins again. Every sample once."""
+    out = tmp_path / "run"
+    proc = start("--strategy", "ps", "--consistency", "ssp", "--staleness", "1",
+                 "--nproc-per-node", "4", "--num-servers", "1", "--epochs", "2",
+                 "--hang-timeout-s", "3", "--log-sample-ids", "--num-threads", "1",
+                 "--out", str(out))  # fmt: skip
+    wait_for_step(out, 5, proc)
+    pid = worker_pid(out, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    events = out / "logs" / "ps_events.jsonl"
+    deadline = time.monotonic() + 60
+    while not any(e["event"] == "worker_lost" and e["worker"] == 1 for e in read_jsonl(events)):
+        assert time.monotonic() < deadline and proc.poll() is None, "worker 1 was not dropped"
+        time.sleep(0.1)
+    stopped_at = time.time()
+    os.kill(pid, signal.SIGCONT)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr
+    summary, records = load(out)
+    drops = [r for r in summary["recoveries"] if r["kind"] == "ps-drop"]
+    assert any(d["rank"] == 1 and "--hang-timeout-s" in d["cause"] for d in drops), drops
+    # The others trained on while it was frozen, and it trained again after it was resumed.
+    assert any(r["rank"] != 1 and r["unix_time"] > stopped_at for r in records)
+    assert any(r["rank"] == 1 and r["unix_time"] > stopped_at for r in records)
+    server_log = (out / "logs" / "rank3.log").read_text()  # ranks 0-2 work, 3 serves
+    assert "dropping worker 1 from the staleness bound" in server_log
+    assert_ledger_once(out, 2)
+    assert_no_orphans(out)

@@ -271,9 +271,19 @@ def ps_recoveries(
             entry["resumed_s"] = restored[0]["unix_time"] - died if restored else None
             entry["detected_s"] = 0.0  # a link breaks the moment its process dies
         out.append(entry)
-    for e in events:  # workers dropped from a bsp barrier without dying
-        if e["event"] == "worker_lost" and e["how"] == "barrier timeout":
+    # Workers dropped without dying: from a bsp barrier, or (ssp) from the staleness bound
+    # by every server alike (server 0's drop is the one that re-dealt the lease).
+    causes = {
+        "barrier timeout": "silent past --barrier-timeout-s",
+        "silent at the bound": "silent past --hang-timeout-s at the staleness bound",
+    }
+    for e in events:
+        if (
+            e["event"] == "worker_lost"
+            and e["how"] in causes
+            and (e["how"] == "barrier timeout" or e["server"] == 0)
+        ):
             out.append({"kind": "ps-drop", "rank": e["worker"], "server": e["server"],
-                        "cause": "silent past --barrier-timeout-s", "failed_at": e["unix_time"],
+                        "cause": causes[e["how"]], "failed_at": e["unix_time"],
                         "lost_steps": 0})  # fmt: skip
     return out

@@ -109,6 +109,7 @@ class ShardServer:
         self.live: set[int] = set()
         self.sessions: dict[int, int] = {}  # each live worker's process attempt
         self.clocks: dict[int, int] = {}
+        self.clock_moved: dict[int, float] = {}  # ssp: when each worker's clock last moved
         self.join_step: dict[int, int] = {}
         self.applied = 0
         # bsp: the open barrier.
@@ -208,6 +209,8 @@ class ShardServer:
             threading.Thread(target=self._start_timer, daemon=True).start()
         if self.mode == "bsp":
             threading.Thread(target=self._barrier_watch, daemon=True).start()
+        if self.mode == "ssp":
+            threading.Thread(target=self._bound_watch, daemon=True).start()
         while not self.store.check(["ps/finish"]):
             time.sleep(0.1)
         self.stop.set()
@@ -290,6 +293,7 @@ class ShardServer:
             if self.bound is not None and worker not in self.hellos and self._awaiting_joins():
                 others.append(0)  # ssp's start: a worker's first join, at no push yet
             self.clocks[worker] = rules.join_clock(int(head[tp.CLOCK]), others)
+            self.clock_moved[worker] = time.monotonic()
             self.live.add(worker)
             self.sessions[worker] = int(head[tp.ATTEMPT])
             self.hellos.add(worker)
@@ -431,6 +435,7 @@ class ShardServer:
                 return self._bsp_push(worker, step, samples, grad, started)
             applied_factor = self._apply(grad, staleness=stale)
             self.clocks[worker] = int(head[tp.CLOCK])  # the worker's count, as every server's
+            self.clock_moved[worker] = time.monotonic()
             committed = self._commit([worker]) > 0
             if self.coordinator is not None:
                 self.leases.pop(worker, None)
@@ -547,6 +552,37 @@ class ShardServer:
             with self.cond:
                 if self.arrived and time.monotonic() - self.barrier_opened > timeout:
                     self._maybe_release(timed_out=True)
+
+    def _bound_watch(self) -> None:
+        """ssp: a worker that holds the others at the staleness bound and has not pushed for
+        --hang-timeout-s (frozen, cut off, stuck where its own watchdog cannot see) is dropped
+        from the bound, named in the log and events.jsonl, and its lease dealt to the others
+        (it joins again if it comes back). Only while someone waits on it: a worker slower
+        than the others moves its clock at every push."""
+        timeout = self.cfg.hang_timeout_s
+        while not self.stop.wait(min(timeout / 4, 1.0)):
+            with self.cond:
+                self._drop_silent(timeout)
+
+    def _drop_silent(self, timeout: float) -> None:
+        """Lock held: drop the slowest workers if they are silent and someone waits on them."""
+        if self._awaiting_joins() or not self.live or self.bound is None:
+            return
+        slowest = min(self.clocks[w] for w in self.live)
+        if max(self.clocks[w] for w in self.live) - slowest <= self.bound:
+            return  # nobody waits
+        now = time.monotonic()
+        for worker in sorted(self.live):
+            silent = now - self.clock_moved.get(worker, now)
+            if self.clocks[worker] == slowest and silent > timeout:
+                log.warning("dropping worker %d from the staleness bound: no push for %.1f s "
+                            "(--hang-timeout-s %g) while others wait on it", worker, silent,
+                            timeout)  # fmt: skip
+                self._drop(worker)
+                event = {"event": "worker_lost", "server": self.index, "worker": worker,
+                         "how": "silent at the bound"}  # fmt: skip
+                append_event(self.run_dir, event)
+        self.cond.notify_all()
 
     def _dropped_reply(self) -> list[torch.Tensor]:
         """Every reply has the same shape; this one's payload is only there to be ignored."""
