@@ -38,6 +38,18 @@ __all__ = [
 ]
 
 
+def coordination(cfg: RunConfig, endpoint: str) -> str:
+    """What the processes of ``cfg``'s mode meet through, at ``endpoint``."""
+    from scaletrain.launch.modes import mode_of
+
+    mode = mode_of(cfg)
+    if mode == "inplace":
+        return f"coordination: torchft's lighthouse at {endpoint} (the quorums; no rendezvous)"
+    if mode == "ps":
+        return f"coordination: the parameter server's store at {endpoint} (links, membership)"
+    return f"rendezvous: c10d at {endpoint}, id {cfg.launch.rdzv_id or '<generated>'}"
+
+
 def describe_plan(cfg: RunConfig) -> str:
     """What ``run`` would start on this node, after every check ``run`` makes before starting
     anything (``scaletrain run --dry-run``): for checking a cluster script before a job."""
@@ -69,7 +81,7 @@ def describe_plan(cfg: RunConfig) -> str:
         f"  nodes: {nodes}; this is node {cfg.launch.node_rank}, {nproc} processes per node; "
         f"world size {nproc * lo}" + (f" to {nproc * hi}" if hi != lo else ""),
         f"  this node's ranks: {first} to {first + nproc - 1} (first attempt)",
-        f"  rendezvous: c10d at {endpoint}, id {cfg.launch.rdzv_id or '<generated>'}; {host}",
+        f"  {coordination(cfg, endpoint)}; {host}",
         f"  strategy: {cfg.train.strategy}; device: {cfg.train.device}; gloo interface: {iface}"
         + (
             f"; NCCL interface: {os.environ['NCCL_SOCKET_IFNAME']}"
