@@ -67,3 +67,35 @@ def test_the_meter_can_leave_the_warm_up_step_out():
     assert meter.take() == 40.0
     meter.add(20, 0.5)  # only the process's first step is left out, not each window's
     assert meter.take() == 40.0
+
+
+def test_one_descheduled_step_does_not_speak_for_the_window():
+    meter = RateMeter()
+    for busy_s in (0.5, 5.0, 0.5):  # the host took the CPU away for one step
+        meter.add(30, busy_s)
+    assert meter.take() == 60.0
+    meter.add(0, 0.2)  # a stand-in step (no samples): no rate
+    assert meter.take() == 0.0
+
+
+def test_where_a_step_is_fixed_cost_a_lowered_share_is_not_walked_further():
+    # Busy 10 ms a step whatever the samples: a rank's rate follows its share. Rank 0's
+    # share was lowered by a noisy window; its busy time is the others', so nobody waits and
+    # the split stays (a rate-proportional re-plan would lower it again, window by window).
+    shares = [0.25, 0.375, 0.375]
+    rates = [s * 48 / 0.010 for s in shares]
+    assert next_shares(shares, rates, None)[0] is None
+    # A rank at the floor that is slow stays there; the others are not re-planned among
+    # themselves for its sake.
+    floor = MIN_SHARE / 3
+    shares = [(1 - floor) / 2, floor, (1 - floor) / 2]
+    rates = [shares[0] * 48 / 0.010, floor * 48 / 0.030, shares[2] * 48 / 0.011]
+    assert next_shares(shares, rates, None)[0] is None
+
+
+def test_a_rank_that_got_fast_again_gets_its_samples_back():
+    floor = MIN_SHARE / 3
+    shares = [(1 - floor) / 2, floor, (1 - floor) / 2]
+    # Samples cost time again and rank 1 is as fast as the others: it is the least busy.
+    again, _ = next_shares(shares, [300.0, 300.0, 300.0], None)
+    assert again == pytest.approx([1 / 3, 1 / 3, 1 / 3])

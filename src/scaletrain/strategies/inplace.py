@@ -33,8 +33,9 @@ and ``heal_copy_s``, the copy's seconds (its quorum_s includes them).
 world-size floats appended to the flat gradient: one by replica id for the rates, one by
 quorum rank for the replica ids (so every participant learns who holds which rank). When the
 next quorum is the same one (torchft's quorum id unchanged), the step is split in proportion
-to its participants' rates (balance.py: no share below a quarter of an even one, and a split
-that moves less than the hysteresis is kept); a new quorum splits evenly for one step, until
+to its participants' rates (balance.py: no share below a quarter of an even one, and the
+split is kept unless someone waits and some share moves by more than the hysteresis); a new
+quorum splits evenly for one step, until
 its members are known. The rates are the plan's state, so a replica that heals copies them
 and splits the same way. A replica slowed down then holds up nobody for long: it gets fewer
 samples, and the others more.
@@ -57,7 +58,7 @@ from torch import nn
 
 from scaletrain import env
 from scaletrain.compression import build_compressor
-from scaletrain.data.balance import HYSTERESIS, MIN_SHARE, floored
+from scaletrain.data.balance import rebalanced
 from scaletrain.data.partition import rank_indices, split_counts
 from scaletrain.data.plans import (
     BatchPlan,
@@ -425,10 +426,8 @@ class QuorumPlan(SampledPlan):
             self.split = None
             return None
         rates = [self.rates[i] for i in self.holders]
-        target = floored([r / sum(rates) for r in rates], MIN_SHARE / n)
         now = self.split if self.split and len(self.split) == n else [1.0 / n] * n
-        if max(abs(t - c) / c for t, c in zip(target, now, strict=True)) > HYSTERESIS:
-            self.split = target
+        self.split = rebalanced(now, rates) or self.split
         return self.split
 
     def state_dict(self) -> dict[str, Any]:
