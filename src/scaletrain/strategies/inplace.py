@@ -224,18 +224,21 @@ class InplaceStrategy(Strategy):
     def bind_state(
         self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
     ) -> None:
+        """The training state the quorum copies between replicas: a healing replica loads
+        a peer's ``consistent_state``."""
+
         def healed(state: dict[str, Any]) -> None:
-            self.note_healed(state)
+            self.healed_bytes = tensor_bytes(state)  # what the next step's record says
+            self.heal_copy_s = self.transport.recv_s
             load(state)
+            self.after_heal(state)
 
         self.healed_bytes = 0
         self._live_state = save
-        self.manager.register_state_dict_fn("trainer", healed, save)
+        self.manager.register_state_dict_fn("trainer", healed, self.consistent_state)
 
-    def note_healed(self, state: dict[str, Any]) -> None:
-        """The quorum copied ``state`` from a peer: what the next step's record says."""
-        self.healed_bytes = tensor_bytes(state)
-        self.heal_copy_s = self.transport.recv_s
+    def after_heal(self, state: dict[str, Any]) -> None:
+        """After the quorum loaded a peer's ``state`` into this replica (nothing more here)."""
 
     def heal_extras(self) -> dict[str, Any]:
         """For the record of the step a heal came before: the bytes copied and the copy's
@@ -464,22 +467,27 @@ class QuorumPlan(SampledPlan):
     def _max_steps_reached(self, progress: Any) -> bool:
         return bool(self.cfg.train.max_steps and progress.step >= self.cfg.train.max_steps)
 
+    def _before_quorum(self) -> None:
+        """What comes before a quorum: the run may have ended without this replica (it was
+        down); a job run's first quorum waits for every replica to start."""
+        if self._run_ended():
+            raise RunEnded("the other replicas finished the run before this one rejoined")
+        strategy = self.strategy
+        if strategy.peers_pending:
+            strategy.peers_pending = False
+            ctx = strategy.ctx
+            wait_for_peers(self.run_dir, ctx.job_run, ctx.rank, ctx.world_size,
+                           self.cfg.launch.timeout_s)  # fmt: skip
+
     def next_step(self, progress: Any) -> StepPlan | None:
         """The quorum may heal this replica: the manager loads a peer's training state into
         the loop, ``progress`` included (in place), and into this plan's sampler."""
         self._heard = None
         if self._max_steps_reached(progress) or self._data_done():
             return None  # this replica's run is over too: it finishes (and reports) normally
-        if self._run_ended():
-            raise RunEnded("the other replicas finished the run before this one rejoined")
-        strategy = self.strategy
-        if strategy.peers_pending:  # this job run's first quorum: with every replica
-            strategy.peers_pending = False
-            ctx = strategy.ctx
-            wait_for_peers(self.run_dir, ctx.job_run, ctx.rank, ctx.world_size,
-                           self.cfg.launch.timeout_s)  # fmt: skip
+        self._before_quorum()
         t0 = time.perf_counter()
-        strategy.manager.start_quorum()  # heals first if this replica is behind
+        self.strategy.manager.start_quorum()  # heals first if this replica is behind
         quorum_s = time.perf_counter() - t0
         if self._run_ended():
             raise RunEnded("the other replicas finished the run while this one healed")

@@ -40,7 +40,6 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,9 +53,8 @@ from scaletrain.strategies.inplace import (
     InplaceStrategy,
     QuorumPlan,
     tensor_bytes,
-    wait_for_peers,
 )
-from scaletrain.strategies.local_sgd import float_buffers
+from scaletrain.strategies.local_sgd import float_buffers, local_step
 
 
 def without_lost_work(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,30 +83,21 @@ class InplaceRoundsStrategy(InplaceStrategy):
         self.samples_since_sync = 0
         self.snapshot: dict[str, Any] | None = None
         self.own_part: dict[str, Any] | None = None
-        # The last synchronization's all-reduce (seconds, bytes): the next step reports it.
+        # The last synchronization's all-reduce (seconds, bytes sent, bytes dense): the next
+        # step reports it.
         self.sync_cost: tuple[float, int, int] | None = None
 
     def build_plan(self, dataset: Any) -> RoundPlan:
         self.plan = RoundPlan(self, dataset)
         return self.plan
 
-    def bind_state(
-        self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
-    ) -> None:
-        """A healing peer gets the snapshot of the last synchronization, not the live state."""
-
-        def healed(state: dict[str, Any]) -> None:
-            self.note_healed(state)
-            load(state)
-            # A synchronization's snapshot: the peers dealt a round after it (a job run's
-            # first quorum copies the start state, torchft's initial sync: none).
-            self.plan.deal_on_heal = bool(state.get("round_follows"))
-            if not self.plan.deal_on_heal and self.own_part is not None:
-                self.load_rank_state_dict(self.own_part)  # its own again
-
-        self.healed_bytes = 0
-        self._live_state = save
-        self.manager.register_state_dict_fn("trainer", healed, self.consistent_state)
+    def after_heal(self, state: dict[str, Any]) -> None:
+        """A peer's state is the snapshot of its last synchronization (``consistent_state``):
+        the peers dealt a round after it (a job run's first quorum copies the start state,
+        torchft's initial sync: none, and this replica takes its own optimizer back)."""
+        self.plan.deal_on_heal = bool(state.get("round_follows"))
+        if not self.plan.deal_on_heal and self.own_part is not None:
+            self.load_rank_state_dict(self.own_part)
 
     def take_snapshot(self) -> None:
         """After a synchronization, before the next round is dealt (the plan calls it); with
@@ -122,7 +111,8 @@ class InplaceRoundsStrategy(InplaceStrategy):
 
     def replica_state(self, held: dict[str, Any]) -> dict[str, Any] | None:
         """Each replica's optimizer state is its own (local SGD averages the models only),
-        and so are its random streams."""
+        and so are its random streams. ``held`` is a snapshot: a checkpoint is due only
+        after a step, and every step follows a synchronization."""
         return {"rng": held["rng"], "strategy": {"optimizer": held["strategy"]["optimizer"]}}
 
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
@@ -162,14 +152,7 @@ class InplaceRoundsStrategy(InplaceStrategy):
     # -- a local step -------------------------------------------------------------------------
     def train_step(self, batch: Batch) -> StepResult:
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.forward_backward(
-            self.module, self.loss_fn, batch.inputs, batch.targets, batch.num_samples
-        )
-        extras: dict[str, Any] = {}
-        if batch.num_samples:  # a stand-in sample (weight zero) does not step
-            extras = self.step_optimizer(self.optimizer, self.module.parameters())
-        self.samples_since_sync += batch.num_samples
+        loss, extras = local_step(self, batch)
         compute_s = time.perf_counter() - start
         comm_s, sent, dense = self.sync_cost or (0.0, 0, 0)
         self.sync_cost = None
@@ -294,16 +277,9 @@ class RoundPlan(QuorumPlan):
         member = self.round is not None and self.round_rank is not None
         if member and self.next < len(self.round["steps"]):  # type: ignore[index]
             return self._step_plan(progress, {})  # the round goes on: no quorum
-        if self._run_ended():
-            raise RunEnded("the other replicas finished the run before this one rejoined")
-        strategy = self.strategy
-        if strategy.peers_pending:  # this job run's first quorum: with every replica
-            strategy.peers_pending = False
-            ctx = strategy.ctx
-            wait_for_peers(self.run_dir, ctx.job_run, ctx.rank, ctx.world_size,
-                           self.cfg.launch.timeout_s)  # fmt: skip
+        self._before_quorum()
         extras = self._synchronize(progress)
-        strategy.take_snapshot()
+        self.strategy.take_snapshot()
         if not self._deal(progress, member=True):
             return None  # every sample of the run is trained (or --max-steps reached)
         return self._step_plan(progress, extras)

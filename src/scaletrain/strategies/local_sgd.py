@@ -45,6 +45,22 @@ def float_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
+def local_step(strategy: Any, batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One replica's own step (local SGD, DiLoCo, in place or not): its gradient, its
+    optimizer's step, its samples since the last synchronization counted. A replica with no
+    sample of its own (a stand-in) does not step; --clip-grad-norm clips its own gradient.
+    (The loss, what the optimizer's step reports.)"""
+    strategy.optimizer.zero_grad(set_to_none=True)
+    loss = strategy.forward_backward(
+        strategy.module, strategy.loss_fn, batch.inputs, batch.targets, batch.num_samples
+    )
+    extras: dict[str, Any] = {}
+    if batch.num_samples:
+        extras = strategy.step_optimizer(strategy.optimizer, strategy.module.parameters())
+    strategy.samples_since_sync += batch.num_samples
+    return loss, extras
+
+
 class LocalSGDStrategy(Strategy):
     collective = "parameter averaging (every --sync-every steps)"
     holds_replica = True
@@ -88,17 +104,8 @@ class LocalSGDStrategy(Strategy):
 
     def train_step(self, batch: Batch) -> StepResult:
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.forward_backward(
-            self.module, self.loss_fn, batch.inputs, batch.targets, batch.num_samples
-        )
-        # A replica with no sample of its own (a stand-in) does not step. Each replica steps
-        # on its own gradient: --clip-grad-norm clips that one.
-        extras: dict[str, Any] = {}
-        if batch.num_samples:
-            extras = self.step_optimizer(self.optimizer, self.module.parameters())
+        loss, extras = local_step(self, batch)
         self.local_steps += 1
-        self.samples_since_sync += batch.num_samples
         comm_s, nbytes = 0.0, 0
         if self.local_steps % self.sync_every == 0:
             comm_s, nbytes = self._timed_sync()
