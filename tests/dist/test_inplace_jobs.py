@@ -120,3 +120,33 @@ def test_an_in_place_job_without_checkpoints_is_not_continued(tmp_path):
     append_jsonl(tmp_path / "metrics.jsonl", {"step": 1, "rank": 0})  # it trained, then died
     with pytest.raises(ValueError, match="wrote no checkpoint"):
         plan_job_run(cfg, tmp_path, "inplace")
+
+
+def test_every_replica_lost_at_once_continues_from_the_checkpoint_in_the_same_launcher(
+    tmp_path, inplace_uninterrupted
+):
+    """Both replicas killed before step 12 (checkpoint at 10): nobody to heal from, so the
+    launcher begins the next job run itself, as the same command would: bit-identical, step
+    11 redone, one restart of each replica spent (a replica that was already restarting when
+    the other died is started again in that restart's stead)."""
+    out = tmp_path / "run"
+    result = run_cli("run", *JOB, "--max-restarts", "1",
+                     "--inject", "kill:rank=0:step=12,kill:rank=1:step=12",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "no replica holds the training state" in result.stderr
+    got = summary(out)
+    assert got["params_sha256"] == inplace_uninterrupted[0]["params_sha256"]
+    [resume] = got["recoveries"]
+    assert resume["kind"] == "resume" and resume["job_run"] == 1 and resume["step"] == 10
+    assert "lost every replica" in resume["cause"] and resume["lost_steps"] == 1
+    records = read_jsonl(out / "metrics.jsonl")
+    redone = [r for r in records if r["job_run"] == 0 and r["step"] > 10]
+    assert {r["step"] for r in redone} == {11}
+    assert_each_sample_once_per_epoch([r for r in records if r not in redone])
+    assert got["samples"] == 2 * DIGITS and got["job_runs"] == 2
+    runs = read_jsonl(job_runs_path(out))
+    assert [j["job_run"] for j in runs if "started_at" in j] == [0, 1]
+    deaths = [i for i in read_jsonl(out / "logs" / "incidents.jsonl") if i["kind"] == "inplace"]
+    assert sorted(i["rank"] for i in deaths) == [0, 1]
+    assert_no_orphans(out)

@@ -82,6 +82,8 @@ class ProcessFleet:
     def poll(self) -> None:
         """Reap exited processes, restarting the dead ones that may be restarted."""
         for rank, proc in list(self.procs.items()):
+            if self.procs.get(rank) is not proc:
+                continue  # replaced during this pass (in place: every replica started again)
             code = proc.poll()
             if code is None:
                 continue

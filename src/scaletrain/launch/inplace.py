@@ -17,6 +17,18 @@ continues from the newest (lifecycle.FleetWorld.resume); a preemption signal ask
 replicas to checkpoint and leave (launch.fleet_stopper), and the launcher then raises
 Preempted (exit 3).
 
+A replica heals from a peer that holds the training state: one that started with the job
+run, or a restarted one once it has committed a step. When a replica dies and no other one
+holds the state (every replica lost at once, or the last holder died while the others were
+still healing), there is nobody to heal from: on one node the supervisor then does what the
+same command would, without waiting for anyone to type it. It ends the job run ("lost every
+replica") and begins the next one in the same launcher, with a fresh lighthouse: every
+replica starts again from the newest checkpoint (from the start without one, as the restart
+mode's group does), which costs each replica one of its --max-restarts. The steps trained
+after that checkpoint are redone and accounted as a job's resume is (summary.json's
+``recoveries``). Across nodes a replica of another node may still hold the state, which this
+node cannot see: there the job run fails as before and the same command continues it.
+
 Across nodes (``--nnodes N``), node i's supervisor runs replicas ``i*nproc ..``; node 0 hosts
 the lighthouse at --rdzv-endpoint (listening on --bind, by default that address), and every
 replica listens on, and advertises, its node's address (env.ADDR). The run directory is
@@ -27,6 +39,7 @@ its network did) is recorded from metrics.jsonl as ``cause: "left"``.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -39,7 +52,7 @@ from scaletrain.fault.checkpoint import read_index
 from scaletrain.fault.jobs import current_job_run
 from scaletrain.fault.preempt import preemption_request
 from scaletrain.fault.recoveries import inplace_recoveries, run_recoveries
-from scaletrain.io import read_jsonl
+from scaletrain.io import append_jsonl, read_jsonl
 from scaletrain.launch.errors import Preempted
 from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals
@@ -58,6 +71,8 @@ HEARTBEAT_TIMEOUT_MS = 500
 # is 60 s). It stays below the replicas' quorum timeout (--timeout-s), which would fail them.
 JOIN_TIMEOUT_MS = 5000
 
+log = logging.getLogger(__name__)
+
 
 def join_timeout_ms(timeout_s: float) -> int:
     return int(min(JOIN_TIMEOUT_MS, timeout_s * 1000 / 4))
@@ -71,29 +86,36 @@ class Supervisor(JobFleet):
     def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
         # The lighthouse logs every quorum at INFO from Rust, into the launcher's terminal.
         os.environ.setdefault("RUST_LOG", "warn")
-        from torchft.coordination import LighthouseServer
-
         super().__init__(cfg, run_dir)
         self.started_at = time.time()
         if self.is_head:  # a job run's finals are its own (an earlier run's would end it)
             shutil.rmtree(run_dir / "logs" / "final", ignore_errors=True)
-        self.lighthouse = None
+        self.spent = [0] * self.world  # restarts used in this launcher's earlier job runs
+        self.lighthouse: Any = None
         if self.nnodes == 1:
-            host, port, self.addr = "127.0.0.1", 0, "127.0.0.1"
+            self.host, self.port, self.addr = "127.0.0.1", 0, "127.0.0.1"
         else:
             host, _, port_text = cfg.launch.rdzv_endpoint.rpartition(":")
-            host, port = host.strip("[]"), int(port_text)
-            self.addr = cfg.launch.local_addr or route_address(host, port)
+            self.host, self.port = host.strip("[]"), int(port_text)
+            self.addr = cfg.launch.local_addr or route_address(self.host, self.port)
+        self._start_lighthouse()
+
+    def _start_lighthouse(self) -> None:
+        from torchft.coordination import LighthouseServer
+
+        port = self.port
         if self.is_head:
+            if self.lighthouse is not None:
+                self.lighthouse.shutdown()
             self.lighthouse = LighthouseServer(
-                bind=f"{url_host(cfg.launch.bind or host)}:{port}",
+                bind=f"{url_host(self.cfg.launch.bind or self.host)}:{port}",
                 min_replicas=1,
-                join_timeout_ms=join_timeout_ms(cfg.launch.timeout_s),
+                join_timeout_ms=join_timeout_ms(self.cfg.launch.timeout_s),
                 heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
             )
             port = int(self.lighthouse.address().rpartition(":")[2])
         # torchft's address() names this machine's hostname; the others dial the address.
-        self.lighthouse_url = f"http://{url_host(host)}:{port}"
+        self.lighthouse_url = f"http://{url_host(self.host)}:{port}"
 
     def env(self, rank: int) -> dict[str, str]:
         return {
@@ -104,8 +126,72 @@ class Supervisor(JobFleet):
         }
 
     def may_restart(self, rank: int) -> bool:
-        # Once a replica has finished, the run is over: nothing to rejoin.
-        return super().may_restart(rank) and not self.finished
+        # Once a replica has finished, the run is over: nothing to rejoin. Restarts spent in
+        # the earlier job runs of this launcher count (attempts restart at 0 in each).
+        used = self.spent[rank] + self.attempts[rank]
+        return used < self.max_restarts and not self.finished
+
+    # -- every replica lost at once: the next job run, in this launcher ----------------------
+    def _died(self, rank: int, code: int) -> None:
+        healing = self._healing_without(rank)
+        if self.nnodes == 1 and healing is not None and self._may_begin_again(healing):
+            self._begin_job_run(rank, code, healing)
+        else:
+            super()._died(rank, code)
+
+    def _healing_without(self, rank: int) -> set[int] | None:
+        """The live replicas other than ``rank``, when none of them holds the training state
+        (each is a restarted one that has not committed a step yet: it is still healing);
+        None when one holds it (it started with the job run, or committed a step since)."""
+        alive = {r for r, proc in self.procs.items() if r != rank and proc.poll() is None}
+        if any(self.attempts[r] == 0 for r in alive):
+            return None
+        healed = {(r["rank"], r["attempt"]) for r in self.job_run_records()}
+        if any((r, self.attempts[r]) in healed for r in alive):
+            return None
+        return alive
+
+    def _charge(self, rank: int, healing: set[int]) -> int:
+        """The restarts beginning again costs ``rank``: one, and those of this job run; a
+        replica still healing from its restart is started again in that restart's stead."""
+        return self.attempts[rank] + (0 if rank in healing else 1)
+
+    def _may_begin_again(self, healing: set[int]) -> bool:
+        limit = self.max_restarts
+        return not self.finished and all(
+            self.spent[r] + self._charge(r, healing) <= limit for r in self.local
+        )
+
+    def _begin_job_run(self, rank: int, code: int, healing: set[int]) -> None:
+        from scaletrain.launch.fleet import describe_exit
+        from scaletrain.launch.jobs import JobRun, end_job_run, next_attempt, start_job_run
+
+        died = time.time()
+        append_jsonl(self.run_dir / "logs" / "incidents.jsonl", {
+            "kind": self.kind(rank), "rank": rank, "cause": describe_exit(code),
+            "attempt": self.attempts[rank], "died_at": died, "detected_at": died,
+            "restarted": True, "job_lost": True,
+        })  # fmt: skip
+        log.warning(
+            "rank %d died (%s) and no replica holds the training state: the job run begins "
+            "again from the newest checkpoint", rank, describe_exit(code),
+        )  # fmt: skip
+        for r in self.local:
+            self.spent[r] += self._charge(r, healing)
+        self.stop_all()  # replicas restarted before it that had not healed yet
+        number = current_job_run(self.run_dir)[0]
+        end_job_run(self.run_dir, "lost every replica at once (continued by its launcher)")
+        job = JobRun(number=number + 1, attempt_base=next_attempt(self.run_dir),
+                     resumed_from="unfinished")  # fmt: skip
+        start_job_run(self.run_dir, job, self.cfg, None)
+        for r in self.local:
+            self.attempts[r] = 0
+        self.deaths = []  # this job run's; the lost one's are in logs/incidents.jsonl
+        self.started_at = time.time()
+        shutil.rmtree(self.run_dir / "logs" / "final", ignore_errors=True)
+        self._start_lighthouse()  # a fresh one, as the same command would start
+        for r in self.local:
+            self.start(r)
 
     def kind(self, rank: int) -> str:
         return "inplace"
