@@ -19,6 +19,7 @@ LIGHTHOUSE = "SCALETRAIN_LIGHTHOUSE"  # inplace: URL of torchft's lighthouse
 ADDR = "SCALETRAIN_ADDR"  # inplace: this node's address, where a replica listens
 JOB_RUN = "SCALETRAIN_JOB_RUN"  # which run of the job this is (launch/jobs.py)
 ATTEMPT_BASE = "SCALETRAIN_ATTEMPT_BASE"  # the first attempt number of this job run
+AGENT_PID = "SCALETRAIN_AGENT_PID"  # the process that supervises this one (forkserver.py)
 # Given by the user (or the launcher, from --join-token-file).
 JOIN_TOKEN = "SCALETRAIN_JOIN_TOKEN"  # the secret a process proves to join the ps
 CACHE = "SCALETRAIN_CACHE"  # where built-in datasets are cached

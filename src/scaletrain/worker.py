@@ -112,11 +112,32 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def run_worker(run_dir: str) -> None:
+    """The body of a worker process, however it was started. A failure ends the process at
+    once (exit 1, after @record wrote the error file for the agent and the traceback went to
+    the rank log); a success returns."""
     try:
-        record(main, error_handler=AtomicErrorHandler())(sys.argv[1:])
+        record(main, error_handler=AtomicErrorHandler())([run_dir])
     except BaseException:
-        # @record has written the error file for the agent; the traceback goes to the rank log.
         traceback.print_exc()
         exit_now(1)
+
+
+def forked(run_dir: str) -> None:
+    """Entry point of a worker forked by the launcher's fork server (launch/forkserver.py),
+    which imported torch and scaletrain once for all of them. It returns on success: the
+    agent collects a return value from every worker before it lets them exit."""
+    global STARTED
+    STARTED = time.time()
+    from setproctitle import setproctitle
+
+    # Its command line is the fork server's: name it as a started worker's would read.
+    setproctitle(f"{sys.executable} -m scaletrain.worker {run_dir} (rank {os.environ['RANK']})")
+    run_worker(run_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    run_worker(sys.argv[1])
     exit_now(0)

@@ -100,7 +100,9 @@ class KillNode(Kill):
 
     def before_step(self, step: int, rank: int, attempt: int) -> None:
         if rank == self.rank and step == self.step and first_time("killnode", rank, step, attempt):
-            os.kill(os.getppid(), signal.SIGKILL)
+            from scaletrain import env
+
+            os.kill(env.get_int(env.AGENT_PID) or os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

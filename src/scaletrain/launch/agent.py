@@ -62,6 +62,7 @@ def check_port_free(host: str, port: int) -> None:
 def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
+    from scaletrain.launch import forkserver
     from scaletrain.metrics.logs import RunLogsSpecs, tolerate_unreadable_error_files
 
     tolerate_unreadable_error_files()
@@ -103,6 +104,7 @@ def build_launch_config(cfg: RunConfig, run_dir: Path) -> Any:
         local_addr="127.0.0.1" if local_only else (cfg.launch.local_addr or None),
         shutdown_timeout=5,
         signals_to_handle=TORCH_SIGNALS,  # SIGTERM and SIGUSR1 preempt (preemption_signals)
+        start_method=forkserver.START_METHOD,  # workers forked from one import of torch
     )
 
 
@@ -278,11 +280,14 @@ def run_restart(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str,
     from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    from scaletrain.metrics.logs import describe_failure
+    from scaletrain.launch import forkserver
+    from scaletrain.metrics.logs import describe_failure, with_error_files
     from scaletrain.metrics.progress import ProgressView
+    from scaletrain.worker import forked
 
     launch_config = build_launch_config(cfg, run_dir)
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
+    forkserver.start()
     progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)
     from scaletrain.launch.rendezvous import release
 
@@ -293,13 +298,12 @@ def run_restart(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str,
             preemption_signals(run_dir),
         ):
             try:
-                elastic_launch(launch_config, sys.executable)(
-                    "-m", "scaletrain.worker", str(run_dir)
-                )
+                elastic_launch(launch_config, forked)(str(run_dir))
             finally:
                 release()
     except ChildFailedError as e:
-        raise WorkerFailed(describe_failure(e.failures, run_dir)) from None
+        failures = with_error_files(e.failures, launch_config.logs_specs)
+        raise WorkerFailed(describe_failure(failures, run_dir)) from None
     except RendezvousClosedError:
         raise ended_elsewhere(run_dir, launch_config.rdzv_endpoint) from None
     except RendezvousError as e:

@@ -29,6 +29,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
+from scaletrain.env import AGENT_PID
 from scaletrain.io import atomic_write_bytes
 
 log = logging.getLogger("scaletrain.logs")
@@ -100,7 +101,7 @@ def tolerate_unreadable_error_files() -> None:
 class RunLogsSpecs(LogsSpecs):
     def __init__(self, run_dir: Path) -> None:
         super().__init__(log_dir=str(run_dir / "logs"))
-        self._logs = run_dir / "logs"
+        self._logs = self.root = run_dir / "logs"
         self.ranks: dict[int, int] = {}  # local rank -> global rank, in the current attempt
 
     @property
@@ -116,6 +117,11 @@ class RunLogsSpecs(LogsSpecs):
             error_file = errors / f"rank{env['RANK']}.json"
             error_file.unlink(missing_ok=True)  # a stale file would be read as this attempt's error
             env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+            # A forked worker's environment is the fork server's, plus these: the launcher's
+            # own as it is now (launch/forkserver.py), and who its agent is.
+            for key, value in os.environ.items():
+                env.setdefault(key, value)
+            env[AGENT_PID] = str(os.getpid())
             self.ranks[local_rank] = int(env["RANK"])
             dest.stdouts[local_rank] = ""  # "": inherit; the worker redirects itself
             dest.stderrs[local_rank] = ""
@@ -169,6 +175,19 @@ def _root_cause_order(failure: Any) -> tuple[bool, int]:
     except (OSError, TypeError):
         when = int(failure.timestamp * 1e9)
     return collateral, when
+
+
+def with_error_files(failures: Mapping[int, Any], logs: RunLogsSpecs) -> dict[int, Any]:
+    """``failures`` (by global rank) and every other rank of this node that wrote an error file
+    in this attempt: torch's agent reports the first failed worker only when it forks them
+    (launch/forkserver.py), and a peer's collective error often comes first."""
+    out = dict(failures)
+    for local_rank, rank in logs.ranks.items():
+        path = logs.root / "errors" / f"rank{rank}.json"
+        if rank not in out and path.exists():  # exit 1: the worker's exit after an exception
+            out[rank] = ProcessFailure(local_rank=local_rank, pid=-1, exitcode=1,
+                                       error_file=str(path))  # fmt: skip
+    return out
 
 
 def describe_failure(failures: Mapping[int, Any], run_dir: Path) -> str:

@@ -1,0 +1,57 @@
+"""Workers forked from one process that imported torch once, not each started afresh.
+
+A fresh Python spends over a second importing torch (1.3 s of CPU on the 2-core host the
+suite runs on), and a launcher starts its workers together: 32 of them importing at once on
+2 cores took 37 s before the first could build its model (make scale, W=32), and every
+restart of the group paid it again. Python's fork server (multiprocessing's "forkserver"
+start method, which torch's elastic agent offers for a function entrypoint) is a process the
+launcher starts once, with this package and torch imported, that forks a worker on request:
+the fork shares the imported modules, copy-on-write, and starts in milliseconds.
+
+What holds a forked worker to what a started one had:
+- The server is a clean process: it has imported modules, run no torch operation, opened no
+  thread pool, initialized no device and holds none of the launcher's sockets (it is started
+  with only its own descriptors), so forking it is safe, CUDA included.
+- Its environment is the launcher's when it started; each worker's is the launcher's as it
+  is at the worker's start (RunLogsSpecs adds it to the agent's per-rank variables, which the
+  agent's wrapper sets in the child).
+- Its command line is the server's: it renames itself to the one a started worker had
+  (``python -m scaletrain.worker RUN_DIR``, and its rank), so ``ps`` and the tests that look
+  for a run's processes find it.
+- Its parent is the server, not the agent: a worker that must reach its agent (the node-loss
+  fault) finds it in SCALETRAIN_AGENT_PID; a killed launcher leaves no orphans still, since
+  the server ends when the launcher's end closes its pipe, and the workers die with it
+  (runtime.die_with_parent).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+
+import setproctitle
+
+# A worker names itself after its run (worker.forked: tests and operators find a run's
+# processes by their command line). setproctitle finds the memory of the command line on its
+# first call, and cannot once the agent has rewritten the worker's environment: the server
+# makes that call here, as it imports this module first.
+setproctitle.getproctitle()
+
+START_METHOD = "forkserver"
+
+# Imported by the server once: what a worker imports before its first step.
+PRELOAD = [
+    "scaletrain.launch.forkserver",
+    "scaletrain.worker",
+    "scaletrain.trainer",
+    "scaletrain.task",
+    "scaletrain.strategies",
+    "scaletrain.fault.inject",
+    "scaletrain.checkpointing",
+]
+
+
+def start() -> None:
+    """Start the fork server now (it imports while the rendezvous runs), with PRELOAD."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
