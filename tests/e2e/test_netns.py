@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -107,7 +108,8 @@ def _wait_for(predicate, procs, timeout_s=180):
 
 
 def _worker_envs(lab, host):
-    """The environments of the worker processes now running on ``host``."""
+    """The environments of the worker processes (started, not forked: a fleet's) now running
+    on ``host``."""
     envs = []
     pids = subprocess.run(
         ["ip", "netns", "pids", lab.hosts[host].netns], capture_output=True, text=True
@@ -124,8 +126,22 @@ def _worker_envs(lab, host):
 
 
 def _worker_ranks(lab, host):
-    """The global ranks of the workers now running on ``host``."""
-    return sorted(int(env["RANK"]) for env in _worker_envs(lab, host))
+    """The global ranks of the workers now running on ``host``: a fleet's (in place, ps) by
+    their environment; the restart mode's, forked from their launcher's fork server, by
+    their command line, which says their rank (their environment in /proc is the server's)."""
+    pids = subprocess.run(
+        ["ip", "netns", "pids", lab.hosts[host].netns], capture_output=True, text=True
+    ).stdout.split()
+    ranks = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        found = re.search(r"scaletrain\.worker .* \(rank (\d+)\)", cmdline)
+        if found:
+            ranks.append(int(found.group(1)))
+    return sorted(ranks + [int(env["RANK"]) for env in _worker_envs(lab, host)])
 
 
 def _listeners(lab, host):
