@@ -287,7 +287,7 @@ def run_restart(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str,
 
     launch_config = build_launch_config(cfg, run_dir)
     set_launch_env(cfg, local_only=not cfg.launch.rdzv_endpoint)
-    forkserver.start()
+    forkserver.prepare()
     progress = ProgressView(run_dir / "metrics.jsonl", enabled=show_progress)
     from scaletrain.launch.rendezvous import release
 

@@ -27,7 +27,6 @@ What holds a forked worker to what a started one had:
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.forkserver
 
 import setproctitle
 
@@ -48,10 +47,13 @@ PRELOAD = [
     "scaletrain.strategies",
     "scaletrain.fault.inject",
     "scaletrain.checkpointing",
+    "torch._dynamo",  # 0.85 s, on a worker's first optimizer step or DDP wrap otherwise
 ]
 
 
-def start() -> None:
-    """Start the fork server now (it imports while the rendezvous runs), with PRELOAD."""
+def prepare() -> None:
+    """The fork server, when the agent first starts workers (after the rendezvous), will
+    import PRELOAD. Not sooner: started with the launcher, its imports competed with the
+    launchers' rendezvous on a loaded host, and a node late by more than --rdzv-last-call-s
+    grew the world in a second attempt (test_recovery.py's lost node, under xdist)."""
     multiprocessing.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
