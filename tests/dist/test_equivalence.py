@@ -132,5 +132,7 @@ def test_metrics_contract(single):
     startup = summary["startup"]
     assert set(startup) == {"launch_s", "imported_s", "group_s", "model_s", "first_step_s",
                             "slowest_process_to_first_step_s"}  # fmt: skip
-    assert startup["imported_s"] > 0.1 and all(v >= 0 for v in startup.values())
+    # The workers fork from a server that imported torch (launch/forkserver.py): their
+    # imports are in launch_s, not imported_s.
+    assert startup["launch_s"] > 0.1 and all(v >= 0 for v in startup.values())
     assert summary["max_rank_open_fds"] > 3

@@ -167,11 +167,17 @@ class Supervisor(JobFleet):
         from scaletrain.launch.jobs import JobRun, end_job_run, next_attempt, start_job_run
 
         died = time.time()
-        append_jsonl(self.run_dir / "logs" / "incidents.jsonl", {
-            "kind": self.kind(rank), "rank": rank, "cause": describe_exit(code),
-            "attempt": self.attempts[rank], "died_at": died, "detected_at": died,
-            "restarted": True, "job_lost": True,
-        })  # fmt: skip
+        # It, and the others found dead in the same pass (killed together).
+        lost = [(rank, code)] + [
+            (r, proc.returncode) for r, proc in self.procs.items()
+            if r != rank and proc.poll() is not None and proc.returncode != 0
+        ]  # fmt: skip
+        for r, exit_code in lost:
+            append_jsonl(self.run_dir / "logs" / "incidents.jsonl", {
+                "kind": self.kind(r), "rank": r, "cause": describe_exit(exit_code),
+                "attempt": self.attempts[r], "died_at": died, "detected_at": died,
+                "restarted": True, "job_lost": True,
+            })  # fmt: skip
         log.warning(
             "rank %d died (%s) and no replica holds the training state: the job run begins "
             "again from the newest checkpoint", rank, describe_exit(code),
