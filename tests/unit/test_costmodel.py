@@ -345,11 +345,15 @@ def test_published_multi_node_throughput_predicted_within_15_percent(tmp_path):
     hosts of 2024), predicted from its source's hardware and its own one-node figure, is
     within 15% of the published throughput."""
     checks = costmodel.check_published()
-    assert {c.source for c in checks} == {"tensorflow-ec2-k80", "torchtitan-h100"}
-    assert len(checks) == 12
+    assert {c.source for c in checks} == {"tensorflow-ec2-k80", "torchtitan-h100", "dlperf-v100"}
+    assert len(checks) == 40
     misses = [(c.source, c.model, c.gpus, round(c.ratio, 3)) for c in checks
-              if abs(c.ratio - 1) > 0.15]  # fmt: skip
+              if not c.within and not c.miss]  # fmt: skip
     assert not misses
+    # The rows marked as misses (each with its reason) still are: a model that came to fit
+    # them would have to drop the note.
+    marked = [c for c in checks if c.miss]
+    assert len(marked) == 4 and not any(c.within for c in marked)
     # A row the model would miss is reported, not hidden: the same source with a node link
     # ten times slower than the one it ran on.
     text = (Path(costmodel.__file__).parent / "published.toml").read_text()
