@@ -1,7 +1,9 @@
 # ruff: noqa: E402 (STARTED, below, is taken before the imports that follow it)
-"""Entry point of one worker process: ``python -m scaletrain.worker RUN_DIR``.
+"""Entry point of one worker process: ``python -m scaletrain.worker RUN_DIR`` (the fleets of
+the in-place and parameter-server modes start it so), or ``forked(RUN_DIR)`` in a process the
+restart mode's agent forks from its fork server (launch/forkserver.py).
 
-The elastic agent starts one per local rank with RANK, WORLD_SIZE, ... in the environment.
+The agent starts one per local rank with RANK, WORLD_SIZE, ... in the environment.
 The worker reads the resolved DIR/config.toml, sends its output to DIR/logs/rank<R>.log,
 joins the process group, builds the task and trains. ``record`` writes any exception to the
 error file the agent reads (atomically: metrics/logs.AtomicErrorHandler), so the launcher can
