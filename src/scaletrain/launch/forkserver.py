@@ -27,6 +27,7 @@ What holds a forked worker to what a started one had:
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import setproctitle
 
@@ -57,3 +58,6 @@ def prepare() -> None:
     launchers' rendezvous on a loaded host, and a node late by more than --rdzv-last-call-s
     grew the world in a second attempt (test_recovery.py's lost node, under xdist)."""
     multiprocessing.set_forkserver_preload(PRELOAD)
+    # Should anything the server imports ask whether CUDA is available, torch answers from
+    # NVML instead of initializing the CUDA driver, which a forked child could not use.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
