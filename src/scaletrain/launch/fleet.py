@@ -111,21 +111,21 @@ class ProcessFleet:
             proc.wait()
         self.procs.clear()
 
-    def _died(self, rank: int, code: int) -> None:
-        cause = describe_exit(code)
-        death = {
-            "rank": rank,
-            "cause": cause,
-            "attempt": self.attempts[rank],
-            "died_at": time.time(),
-            "restarted": self.may_restart(rank),
-        }
-        self.deaths.append(death)
-        self.died(rank, self.attempts[rank], cause)
+    def _record_death(self, rank: int, code: int, restarted: bool, **extra: Any) -> dict:
+        """``rank``'s death as a line of logs/incidents.jsonl (and the line's fields)."""
+        died = time.time()
+        death = {"rank": rank, "cause": describe_exit(code), "attempt": self.attempts[rank],
+                 "died_at": died, "restarted": restarted}  # fmt: skip
         append_jsonl(
             self.run_dir / "logs" / "incidents.jsonl",
-            {"kind": self.kind(rank), **death, "detected_at": death["died_at"]},
+            {"kind": self.kind(rank), **death, "detected_at": died, **extra},
         )
+        return death
+
+    def _died(self, rank: int, code: int) -> None:
+        death = self._record_death(rank, code, self.may_restart(rank))
+        self.deaths.append(death)
+        self.died(rank, self.attempts[rank], death["cause"])
         if death["restarted"]:
             self.attempts[rank] += 1
             death["restarted_at"] = time.time()

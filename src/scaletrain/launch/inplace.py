@@ -52,7 +52,7 @@ from scaletrain.fault.checkpoint import read_index
 from scaletrain.fault.jobs import current_job_run
 from scaletrain.fault.preempt import preemption_request
 from scaletrain.fault.recoveries import inplace_recoveries, run_recoveries
-from scaletrain.io import append_jsonl, read_jsonl
+from scaletrain.io import read_jsonl
 from scaletrain.launch.errors import Preempted
 from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals
@@ -88,8 +88,7 @@ class Supervisor(JobFleet):
         os.environ.setdefault("RUST_LOG", "warn")
         super().__init__(cfg, run_dir)
         self.started_at = time.time()
-        if self.is_head:  # a job run's finals are its own (an earlier run's would end it)
-            shutil.rmtree(run_dir / "logs" / "final", ignore_errors=True)
+        self._clear_finals()
         self.spent = [0] * self.world  # restarts used in this launcher's earlier job runs
         self.lighthouse: Any = None
         if self.nnodes == 1:
@@ -99,6 +98,11 @@ class Supervisor(JobFleet):
             self.host, self.port = host.strip("[]"), int(port_text)
             self.addr = cfg.launch.local_addr or route_address(self.host, self.port)
         self._start_lighthouse()
+
+    def _clear_finals(self) -> None:
+        """A job run's finals are its own: an earlier run's would end it."""
+        if self.is_head:
+            shutil.rmtree(self.run_dir / "logs" / "final", ignore_errors=True)
 
     def _start_lighthouse(self) -> None:
         from torchft.coordination import LighthouseServer
@@ -133,8 +137,9 @@ class Supervisor(JobFleet):
 
     # -- every replica lost at once: the next job run, in this launcher ----------------------
     def _died(self, rank: int, code: int) -> None:
-        healing = self._healing_without(rank)
-        if self.nnodes == 1 and healing is not None and self._may_begin_again(healing):
+        # Across nodes, the other nodes' launchers hold replicas this one cannot see.
+        healing = self._healing_without(rank) if self.nnodes == 1 else None
+        if healing is not None and self._may_begin_again(healing):
             self._begin_job_run(rank, code, healing)
         else:
             super()._died(rank, code)
@@ -166,18 +171,13 @@ class Supervisor(JobFleet):
         from scaletrain.launch.fleet import describe_exit
         from scaletrain.launch.jobs import JobRun, end_job_run, next_attempt, start_job_run
 
-        died = time.time()
         # It, and the others found dead in the same pass (killed together).
         lost = [(rank, code)] + [
             (r, proc.returncode) for r, proc in self.procs.items()
             if r != rank and proc.poll() is not None and proc.returncode != 0
         ]  # fmt: skip
         for r, exit_code in lost:
-            append_jsonl(self.run_dir / "logs" / "incidents.jsonl", {
-                "kind": self.kind(r), "rank": r, "cause": describe_exit(exit_code),
-                "attempt": self.attempts[r], "died_at": died, "detected_at": died,
-                "restarted": True, "job_lost": True,
-            })  # fmt: skip
+            self._record_death(r, exit_code, restarted=True, job_lost=True)
         log.warning(
             "rank %d died (%s) and no replica holds the training state: the job run begins "
             "again from the newest checkpoint", rank, describe_exit(code),
@@ -194,7 +194,7 @@ class Supervisor(JobFleet):
             self.attempts[r] = 0
         self.deaths = []  # this job run's; the lost one's are in logs/incidents.jsonl
         self.started_at = time.time()
-        shutil.rmtree(self.run_dir / "logs" / "final", ignore_errors=True)
+        self._clear_finals()
         self._start_lighthouse()  # a fresh one, as the same command would start
         for r in self.local:
             self.start(r)
