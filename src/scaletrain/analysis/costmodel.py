@@ -733,9 +733,9 @@ class PublishedCheck:
 
 def check_published(path: Path | None = None) -> list[PublishedCheck]:
     """Every row of published.toml (or ``path``, a file of the same form) predicted from its
-    source's hardware and its own one-node figure: a device's compute is that figure's step
-    less the model's communication within the node; the step at ``gpus`` devices is that
-    compute plus the model's communication there."""
+    source's hardware and its own base figure (one node, or the fewest devices the source
+    ran): a device's compute is that figure's step less the model's communication at the
+    base; the step at ``gpus`` devices is that compute plus the model's communication there."""
     text = path.read_text() if path else (
         resources.files("scaletrain.analysis").joinpath("published.toml").read_text())  # fmt: skip
     out = []
@@ -752,7 +752,7 @@ def check_published(path: Path | None = None) -> list[PublishedCheck]:
             )  # fmt: skip
             base, per_gpu = int(row["base_gpus"]), bool(source["per_gpu"])
             device_rate = float(row["base_rate"]) / (1 if per_gpu else base)
-            base_step = cal.batch_size / device_rate  # every device's step on one node
+            base_step = cal.batch_size / device_rate  # every device's step at the base
             within = predict_method(cal, source["method"], base).step_s - cal.compute_s
             cal = replace(cal, compute_s=base_step - within)
             for gpus, rate, servers in row["points"]:
