@@ -118,10 +118,11 @@ def replica_pid(lab: NetworkLab, replica: int, per_host: int) -> int | None:
                           capture_output=True, text=True).stdout.split()  # fmt: skip
     for pid in pids:
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"SCALETRAIN_MODE=inplace" in environ and f"RANK={replica}".encode() in environ:
+        # A replica names itself "... -m scaletrain.worker RUN_DIR (rank R)" (worker.forked).
+        if b"scaletrain.worker" in cmdline and f"(rank {replica})".encode() in cmdline:
             return int(pid)
     return None
 

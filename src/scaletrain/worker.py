@@ -1,7 +1,7 @@
 # ruff: noqa: E402 (STARTED, below, is taken before the imports that follow it)
-"""Entry point of one worker process: ``python -m scaletrain.worker RUN_DIR`` (the fleets of
-the in-place and parameter-server modes start it so), or ``forked(RUN_DIR)`` in a process the
-restart mode's agent forks from its fork server (launch/forkserver.py).
+"""Entry point of one worker process: ``forked(RUN_DIR)`` in a process the restart mode's agent
+forks from its launcher's fork server (launch/forkserver.py), ``forked_in_fleet`` in one the
+in-place and parameter-server fleets fork from it, or ``python -m scaletrain.worker RUN_DIR``.
 
 The agent starts one per local rank with RANK, WORLD_SIZE, ... in the environment.
 The worker reads the resolved DIR/config.toml, sends its output to DIR/logs/rank<R>.log,
@@ -133,11 +133,26 @@ def forked(run_dir: str) -> None:
     STARTED = time.time()
     from setproctitle import setproctitle
 
-    # Its command line is the fork server's: name it as a started worker's would read.
-    setproctitle(f"{sys.executable} -m scaletrain.worker {run_dir} (rank {os.environ['RANK']})")
+    # Its command line is the fork server's: name it as a started worker's would read, with
+    # what /proc/PID/environ no longer tells (that is the server's): its rank, and its role
+    # under a parameter server.
+    role = os.environ.get(env.PS_ROLE)
+    setproctitle(f"{sys.executable} -m scaletrain.worker {run_dir} (rank {os.environ['RANK']})"
+                 + (f" ps {role}" if role else ""))  # fmt: skip
     run_worker(run_dir)
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def forked_in_fleet(run_dir: str, environ: dict[str, str]) -> None:
+    """Entry point of a fleet's process (in place, parameter server) forked by the launcher's
+    fork server: in a session of its own (the fleet stops a process with its group) and with
+    exactly the environment the fleet gives it, as a started one had. It never returns."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(environ)
+    forked(run_dir)
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -322,13 +322,11 @@ def worker_pid(out, rank):
     """The process of parameter-server worker ``rank`` of the run in ``out``."""
     for pid in processes_mentioning(str(out)):
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if (
-            f"RANK={rank}".encode() in environ
-            and b"scaletrain.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ):
+        # A worker names itself "... -m scaletrain.worker RUN_DIR (rank R)" (worker.forked).
+        if b"scaletrain.worker" in cmdline and f"(rank {rank})".encode() in cmdline:
             return pid
     return None
 

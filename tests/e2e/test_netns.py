@@ -107,41 +107,28 @@ def _wait_for(predicate, procs, timeout_s=180):
         time.sleep(0.2)
 
 
-def _worker_envs(lab, host):
-    """The environments of the worker processes (started, not forked: a fleet's) now running
-    on ``host``."""
-    envs = []
+def _workers(lab, host):
+    """(global rank, ps role or "") of each worker process now running on ``host``. Every
+    worker is forked from its launcher's fork server, so its environment in /proc is the
+    server's: its command line says its rank and role (worker.forked)."""
     pids = subprocess.run(
         ["ip", "netns", "pids", lab.hosts[host].netns], capture_output=True, text=True
     ).stdout.split()
-    for pid in pids:
-        try:
-            text = Path(f"/proc/{pid}/environ").read_text()
-        except OSError:
-            continue
-        env = dict(item.split("=", 1) for item in text.split("\0") if "=" in item)
-        if "RANK" in env and "TORCHELASTIC_RESTART_COUNT" in env:
-            envs.append(env)
-    return envs
-
-
-def _worker_ranks(lab, host):
-    """The global ranks of the workers now running on ``host``: a fleet's (in place, ps) by
-    their environment; the restart mode's, forked from their launcher's fork server, by
-    their command line, which says their rank (their environment in /proc is the server's)."""
-    pids = subprocess.run(
-        ["ip", "netns", "pids", lab.hosts[host].netns], capture_output=True, text=True
-    ).stdout.split()
-    ranks = []
+    found = []
     for pid in pids:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        found = re.search(r"scaletrain\.worker .* \(rank (\d+)\)", cmdline)
-        if found:
-            ranks.append(int(found.group(1)))
-    return sorted(ranks + [int(env["RANK"]) for env in _worker_envs(lab, host)])
+        title = re.search(r"scaletrain\.worker .* \(rank (\d+)\)(?: ps (\w+))?", cmdline)
+        if title:
+            found.append((int(title.group(1)), title.group(2) or ""))
+    return found
+
+
+def _worker_ranks(lab, host):
+    """The global ranks of the workers now running on ``host``."""
+    return sorted(rank for rank, _ in _workers(lab, host))
 
 
 def _listeners(lab, host):
@@ -244,8 +231,8 @@ def test_parameter_server_across_three_hosts_survives_a_cut_worker_host(tmp_path
         roles = {}
         while len(roles) < 6:
             for host in range(3):
-                for env in _worker_envs(lab, host):
-                    roles[int(env["RANK"])] = (host, env["SCALETRAIN_PS_ROLE"])
+                for rank, role in _workers(lab, host):
+                    roles[rank] = (host, role)
             assert procs[0].poll() is None, procs[0].communicate()
             time.sleep(0.1)
         _wait_for(lambda: any(r["step"] >= 20 for r in _records(out)), procs)

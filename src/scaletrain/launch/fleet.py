@@ -1,13 +1,15 @@
 """A fleet of worker processes, each restarted on its own when it dies.
 
 torch's elastic agent stops and restarts the whole group when any worker fails. Two modes
-need the opposite, the survivors carrying on: in-place recovery (fault/supervisor.py) and the
-parameter server (strategies/param_server/supervisor.py). Both start one
-``python -m scaletrain.worker RUN_DIR`` per rank with the environment the agent would give
-(RANK, WORLD_SIZE, LOCAL_RANK, ...; TORCHELASTIC_RESTART_COUNT is the rank's own attempt),
-and restart a dead rank up to --max-restarts times. Every death goes to logs/incidents.jsonl.
-A rank that exits 0 is finished; when the fleet is stopped or fails, every process left is
-SIGKILLed (each runs in its own session, and dies with its parent: runtime.die_with_parent).
+need the opposite, the survivors carrying on: in-place recovery (launch/inplace.py) and the
+parameter server (launch/ps.py). Both run one worker process per rank with the environment
+the agent would give (RANK, WORLD_SIZE, LOCAL_RANK, ...; TORCHELASTIC_RESTART_COUNT is the
+rank's own attempt), and restart a dead rank up to --max-restarts times. Every death goes to
+logs/incidents.jsonl. A rank that exits 0 is finished; when the fleet is stopped or fails,
+every process left is SIGKILLed (each runs in its own session, and dies with its parent:
+runtime.die_with_parent). Each process is forked from the launcher's fork server (launch/
+forkserver.py), as the restart mode's workers are: started afresh, each spent over a second
+of CPU importing torch, all at once at the start, and again at every restart.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ from scaletrain.io import append_jsonl
 
 if TYPE_CHECKING:
     from scaletrain.config import RunConfig
+    from scaletrain.launch.forkserver import ForkedProcess
 
 
 def describe_exit(code: int) -> str:
@@ -48,15 +49,18 @@ class ProcessFleet:
         self.run_dir, self.world, self.max_restarts = run_dir, world, max_restarts
         self.local = local if local is not None else range(world)
         self.attempts = [0] * world
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, ForkedProcess] = {}
         self.deaths: list[dict[str, Any]] = []
         self.finished: set[int] = set()
         self.failed: set[int] = set()  # dead for good
 
     def env(self, rank: int) -> dict[str, str]:
         """The environment of ``rank``'s process (subclasses add their own)."""
+        from scaletrain import env
+
         return {
             **os.environ,
+            env.AGENT_PID: str(os.getpid()),  # its parent is the fork server, not this process
             "RANK": str(rank),
             "LOCAL_RANK": str(rank - self.local.start),
             "WORLD_SIZE": str(self.world),
@@ -65,12 +69,10 @@ class ProcessFleet:
         }
 
     def start(self, rank: int) -> None:
-        self.procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "scaletrain.worker", str(self.run_dir)],
-            env=self.env(rank),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        from scaletrain.launch.forkserver import ForkedProcess
+        from scaletrain.worker import forked_in_fleet
+
+        self.procs[rank] = ForkedProcess(forked_in_fleet, str(self.run_dir), self.env(rank))
 
     def may_restart(self, rank: int) -> bool:
         return self.attempts[rank] < self.max_restarts

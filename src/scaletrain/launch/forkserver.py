@@ -4,7 +4,8 @@ A fresh Python spends over a second importing torch (1.3 s of CPU on the 2-core 
 suite runs on), and a launcher starts its workers together: 32 of them importing at once on
 2 cores took 37 s before the first could build its model (make scale, W=32), and every
 restart of the group paid it again. Python's fork server (multiprocessing's "forkserver"
-start method, which torch's elastic agent offers for a function entrypoint) is a process the
+start method, which torch's elastic agent offers for a function entrypoint; the fleets of
+the in-place and parameter-server modes use it through ``ForkedProcess``) is a process the
 launcher starts once, with this package and torch imported, that forks a worker on request:
 the fork shares the imported modules, copy-on-write, and starts in milliseconds.
 
@@ -14,7 +15,8 @@ What holds a forked worker to what a started one had:
   with only its own descriptors), so forking it is safe, CUDA included.
 - Its environment is the launcher's when it started; each worker's is the launcher's as it
   is at the worker's start (RunLogsSpecs adds it to the agent's per-rank variables, which the
-  agent's wrapper sets in the child).
+  agent's wrapper sets in the child; a fleet's child replaces its environment with the one
+  the fleet gives it).
 - Its command line is the server's: it renames itself to the one a started worker had
   (``python -m scaletrain.worker RUN_DIR``, and its rank), so ``ps`` and the tests that look
   for a run's processes find it.
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+from collections.abc import Callable
+from typing import Any, Final
 
 import setproctitle
 
@@ -37,7 +41,7 @@ import setproctitle
 # makes that call here, as it imports this module first.
 setproctitle.getproctitle()
 
-START_METHOD = "forkserver"
+START_METHOD: Final = "forkserver"
 
 # Imported by the server once: what a worker imports before its first step.
 PRELOAD = [
@@ -61,3 +65,28 @@ def prepare() -> None:
     # Should anything the server imports ask whether CUDA is available, torch answers from
     # NVML instead of initializing the CUDA driver, which a forked child could not use.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+
+class ForkedProcess:
+    """A fleet's process (launch/fleet.py), forked by the fork server: it answers what the
+    fleet asks of a subprocess.Popen (``pid``, ``poll``, ``wait``, ``returncode``: an exit
+    code, or minus the signal that killed it)."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        prepare()
+        context = multiprocessing.get_context(START_METHOD)
+        # Not daemonic: a daemonic process may not start processes of its own (a data
+        # loader's workers). The fleet kills every process it started before it returns.
+        self._process = context.Process(target=target, args=args, daemon=False)
+        self._process.start()
+        self.pid: int = self._process.pid  # type: ignore[assignment]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._process.exitcode  # reaps it, without waiting
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._process.join(timeout)
+        return self.poll()

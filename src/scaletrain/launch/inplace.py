@@ -173,8 +173,8 @@ class Supervisor(JobFleet):
 
         # It, and the others found dead in the same pass (killed together).
         lost = [(rank, code)] + [
-            (r, proc.returncode) for r, proc in self.procs.items()
-            if r != rank and proc.poll() is not None and proc.returncode != 0
+            (r, died) for r, proc in self.procs.items()
+            if r != rank and (died := proc.poll()) is not None and died != 0
         ]  # fmt: skip
         for r, exit_code in lost:
             self._record_death(r, exit_code, restarted=True, job_lost=True)
