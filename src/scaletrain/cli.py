@@ -64,6 +64,71 @@ def add_config_flags(
         parser.add_argument(*flags, **options)
 
 
+def add_model_and_cluster_flags(p: argparse.ArgumentParser) -> None:
+    """predict's and plan's flags: the model (a run, or a description), the cluster and
+    what failures cost."""
+    p.add_argument("--calibrate", metavar="RUN_DIR", help="a finished 1-worker run of the job")
+    p.add_argument(
+        "--params", metavar="N",
+        help="without a run: the model's parameters (25.6M, 7B, 1e8), with --step-ms; or "
+             "counted from the model that --model / --task / --config describe",
+    )  # fmt: skip
+    p.add_argument(
+        "--step-ms", type=float, metavar="T",
+        help="without a run: one device's step (forward, backward, optimizer) at --batch-size",
+    )  # fmt: skip
+    p.add_argument("--batch-size", type=int, metavar="B",
+                   help="without a run: samples per device per step")  # fmt: skip
+    p.add_argument(
+        "--grad-bytes-per-param", type=float, default=4.0,
+        help="without a run: bytes each parameter's gradient sends (4 fp32, 2 bf16)",
+    )  # fmt: skip
+    p.add_argument(
+        "--overlap", type=float, default=None,
+        help="share of gradient communication hidden behind backward, 0-1 (default: the "
+             "run's measured one, or 0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cluster", metavar="NAME",
+        help="a named cluster (its devices per node, links and latency; the flags below "
+             "override it): " + ", ".join(costmodel_cluster_names()),
+    )  # fmt: skip
+    p.add_argument("--cluster-file", metavar="TOML",
+                   help="more named clusters, in clusters.toml's form")  # fmt: skip
+    p.add_argument(
+        "--bandwidth", default=None,
+        help="between nodes, per node (per worker with one device a node): bits (10gbit, "
+             "100Gb/s) or bytes (900GB/s); default 10gbit",
+    )  # fmt: skip
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="devices per node (default 1)")  # fmt: skip
+    p.add_argument("--intra-bandwidth", default=None,
+                   help="within a node, per device, e.g. 450GB/s")  # fmt: skip
+    p.add_argument("--latency-us", type=float, default=None,
+                   help="per-message latency (default 30)")  # fmt: skip
+    # The model whose parameters --params would give, counted (its config flags only).
+    add_config_flags(p, exclude=frozenset(leaf_fields()) - PREDICT_MODEL_FLAGS)
+    p.add_argument(
+        "--node-mtbf-h", type=float, default=None,
+        help="a node's mean time between failures, hours (default: 7.9 h x 1,024 GPUs per "
+             "GPU, published for 1,024-GPU jobs, over --gpus-per-node)",
+    )  # fmt: skip
+    p.add_argument(
+        "--checkpoint-s", type=float, default=None,
+        help="what a checkpoint blocks training (default: the run's measured saves; without a "
+             "run 12 bytes a parameter, weights and Adam's moments, at 1 GB/s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--restart-s", type=float, default=300.0,
+        help="a failed node's way back: replaced, started, rendezvous, state loaded "
+             "(default 300)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pause-s", type=float, default=5.0,
+        help="in place: the survivors' pause at each failure, new quorum (default 5)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scaletrain", description="Train PyTorch models across processes and hosts."
@@ -94,74 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="", help="sweep directory (default runs/bench-<time>)")
     add_config_flags(bench, exclude=BENCH_OWN)
     predict = sub.add_parser(
-        "predict", aliases=["plan"], help="predict step time and efficiency at scale",
+        "predict", help="predict step time and efficiency at scale",
         description="Calibrated from a finished 1-worker run (--calibrate), or from a "
                     "description of the model and the cluster (--params and --step-ms).",
     )  # fmt: skip
-    predict.add_argument(
-        "--calibrate", metavar="RUN_DIR", help="a finished 1-worker run of the job"
-    )
-    predict.add_argument(
-        "--params", metavar="N",
-        help="without a run: the model's parameters (25.6M, 7B, 1e8), with --step-ms; or "
-             "counted from the model that --model / --task / --config describe",
-    )  # fmt: skip
-    predict.add_argument(
-        "--step-ms", type=float, metavar="T",
-        help="without a run: one device's step (forward, backward, optimizer) at --batch-size",
-    )  # fmt: skip
-    predict.add_argument("--batch-size", type=int, metavar="B",
-                         help="without a run: samples per device per step")  # fmt: skip
-    predict.add_argument(
-        "--grad-bytes-per-param", type=float, default=4.0,
-        help="without a run: bytes each parameter's gradient sends (4 fp32, 2 bf16)",
-    )  # fmt: skip
-    predict.add_argument(
-        "--overlap", type=float, default=None,
-        help="share of gradient communication hidden behind backward, 0-1 (default: the "
-             "run's measured one, or 0)",
-    )  # fmt: skip
-    predict.add_argument(
-        "--cluster", metavar="NAME",
-        help="a named cluster (its devices per node, links and latency; the flags below "
-             "override it): " + ", ".join(costmodel_cluster_names()),
-    )  # fmt: skip
-    predict.add_argument("--cluster-file", metavar="TOML",
-                         help="more named clusters, in clusters.toml's form")  # fmt: skip
+    add_model_and_cluster_flags(predict)
     predict.add_argument("--workers", default="2,8,64,1024", help="worker (device) counts")
-    predict.add_argument(
-        "--bandwidth", default=None,
-        help="between nodes, per node (per worker with one device a node): bits (10gbit, "
-             "100Gb/s) or bytes (900GB/s); default 10gbit",
-    )  # fmt: skip
-    predict.add_argument("--gpus-per-node", type=int, default=None,
-                         help="devices per node (default 1)")  # fmt: skip
-    predict.add_argument("--intra-bandwidth", default=None,
-                         help="within a node, per device, e.g. 450GB/s")  # fmt: skip
-    predict.add_argument("--latency-us", type=float, default=None,
-                         help="per-message latency (default 30)")  # fmt: skip
-    # The model whose parameters --params would give, counted (its config flags only).
-    add_config_flags(predict, exclude=frozenset(leaf_fields()) - PREDICT_MODEL_FLAGS)
-    predict.add_argument(
-        "--node-mtbf-h", type=float, default=None,
-        help="a node's mean time between failures, hours (default: 7.9 h x 1,024 GPUs per "
-             "GPU, published for 1,024-GPU jobs, over --gpus-per-node)",
-    )  # fmt: skip
-    predict.add_argument(
-        "--checkpoint-s", type=float, default=None,
-        help="what a checkpoint blocks training (default: the run's measured saves; without a "
-             "run 12 bytes a parameter, weights and Adam's moments, at 1 GB/s)",
-    )  # fmt: skip
-    predict.add_argument(
-        "--restart-s", type=float, default=300.0,
-        help="a failed node's way back: replaced, started, rendezvous, state loaded (default 300)",
-    )  # fmt: skip
-    predict.add_argument(
-        "--pause-s", type=float, default=5.0,
-        help="in place: the survivors' pause at each failure, new quorum (default 5)",
-    )  # fmt: skip
-    predict.add_argument("--json", action="store_true",
-                         help="print the predictions as a JSON list, nothing else")  # fmt: skip
     predict.add_argument(
         "--methods",
         default="ddp,local_sgd:8,ps:4,compressed:100:10",
@@ -177,6 +180,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --cores: probe this host with W processes for each W of --workers (their "
              "all-reduce's CPU, the slowdown of their other work): for devices on a shared host",
     )  # fmt: skip
+    predict.add_argument("--json", action="store_true",
+                         help="print the predictions as a JSON list, nothing else")  # fmt: skip
+    plan = sub.add_parser(
+        "plan", help="rank configurations by time to train or cost, failures included",
+        description="Which method, devices and checkpoint interval train the given work "
+                    "soonest (or cheapest): the cost model's step at each, the failure "
+                    "model's goodput, within a deadline, a budget and a global batch limit.",
+    )  # fmt: skip
+    add_model_and_cluster_flags(plan)
+    plan.set_defaults(cores=0, probe_host=False)
+    plan.add_argument("--workers", default="8,16,32,64,128,256,512",
+                      help="device counts to consider")  # fmt: skip
+    plan.add_argument("--methods", default="ddp,fsdp,local_sgd:8",
+                      help="methods to consider (as predict --methods)")  # fmt: skip
+    plan.add_argument("--samples", metavar="N",
+                      help="the work: samples to train an epoch (25.6M, 1e9)")  # fmt: skip
+    plan.add_argument("--tokens", metavar="N",
+                      help="the work in tokens (with --seq-len: a sample a sequence)")  # fmt: skip
+    plan.add_argument("--seq-len", type=int, default=None,
+                      help="with --tokens: tokens a sample")  # fmt: skip
+    plan.add_argument("--epochs", type=float, default=1.0, dest="plan_epochs",
+                      help="times through the work (default 1)")  # fmt: skip
+    plan.add_argument("--global-batch", type=int, default=None,
+                      help="a fixed global batch: each device trains its share, its step "
+                           "in proportion (default: --batch-size a device)")  # fmt: skip
+    plan.add_argument("--max-global-batch", type=int, default=None,
+                      help="set aside configurations whose global batch is larger")  # fmt: skip
+    plan.add_argument("--deadline", default=None,
+                      help="set aside what takes longer: 7d, 36h, 90m")  # fmt: skip
+    plan.add_argument("--budget-gpu-hours", type=float, default=None,
+                      help="set aside what takes more GPU-hours")  # fmt: skip
+    plan.add_argument("--price-per-gpu-hour", type=float, default=None,
+                      help="a GPU-hour's price, for the cost column")  # fmt: skip
+    plan.add_argument("--rank-by", choices=["time", "cost"], default="time",
+                      help="time to train (default), or cost (GPU-hours)")  # fmt: skip
+    plan.add_argument("--top", type=int, default=5, help="configurations to show")
+    plan.add_argument("--json", action="store_true",
+                      help="print every configuration as a JSON list, nothing else")  # fmt: skip
     report = sub.add_parser("report", help="write one HTML page with plots of finished runs")
     report.add_argument("run_dirs", nargs="+", help="run directories (with summary.json)")
     report.add_argument(
@@ -277,7 +318,7 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
     counted = model_parameters(args)
     if counted is not None and args.params is not None:
         raise ValueError(
-            "predict: --params gives the count; --model, --task and --config "
+            f"{args.command}: --params gives the count; --model, --task and --config "
             "count it from a model: give one or the other"
         )
     if counted is not None:
@@ -285,12 +326,12 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
     described = [f for f in ("params", "step_ms", "batch_size") if getattr(args, f) is not None]
     if args.calibrate and described:
         raise ValueError(
-            "predict: --calibrate takes the model from a run; --params, --step-ms "
+            f"{args.command}: --calibrate takes the model from a run; --params, --step-ms "
             "and --batch-size describe one instead: give one or the other"
         )
     if not args.calibrate and len(described) < 3:
         raise ValueError(
-            "predict: give --calibrate RUN_DIR (a finished 1-worker run of the "
+            f"{args.command}: give --calibrate RUN_DIR (a finished 1-worker run of the "
             "job), or describe the model: --params N --step-ms T --batch-size B "
             "(one device's step at B samples)"
         )
@@ -298,14 +339,16 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
     if args.cluster:
         clusters = costmodel.load_clusters(Path(args.cluster_file) if args.cluster_file else None)
         if args.cluster not in clusters:
-            raise ValueError(f"predict: no cluster named {args.cluster!r}; known: "
+            raise ValueError(f"{args.command}: no cluster named {args.cluster!r}; known: "
                              + ", ".join(sorted(clusters)))  # fmt: skip
         cluster = clusters[args.cluster]
     elif args.cluster_file:
-        raise ValueError("predict: --cluster-file adds named clusters: pick one with --cluster")
+        raise ValueError(
+            f"{args.command}: --cluster-file adds named clusters: pick one with --cluster"
+        )
     gpus = args.gpus_per_node or (cluster.gpus_per_node if cluster else 1)
     if gpus < 1:
-        raise ValueError("predict: --gpus-per-node must be at least 1")
+        raise ValueError(f"{args.command}: --gpus-per-node must be at least 1")
     bandwidth = (costmodel.parse_bandwidth(args.bandwidth, "--bandwidth") if args.bandwidth
                  else cluster.bandwidth_Bps if cluster else 10e9 / 8)  # fmt: skip
     intra = (costmodel.parse_bandwidth(args.intra_bandwidth, "--intra-bandwidth")
@@ -313,24 +356,25 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
              else cluster.intra_bandwidth_Bps if cluster else 0.0)  # fmt: skip
     if gpus > 1 and not intra:
         raise ValueError(
-            "predict: with --gpus-per-node above 1, give --intra-bandwidth (each "
+            f"{args.command}: with --gpus-per-node above 1, give --intra-bandwidth (each "
             "device's bandwidth within its node, e.g. 450GB/s) or --cluster"
         )
     latency_us = args.latency_us if args.latency_us is not None else (
         cluster.latency_us if cluster else 30.0)  # fmt: skip
     if args.overlap is not None and not 0 <= args.overlap <= 1:
-        raise ValueError(f"predict: --overlap is a share, 0-1, got {args.overlap}")
+        raise ValueError(f"{args.command}: --overlap is a share, 0-1, got {args.overlap}")
     link: dict[str, Any] = {"latency_s": latency_us * 1e-6, "bandwidth_Bps": bandwidth,
             "gpus_per_node": gpus, "intra_bandwidth_Bps": intra}  # fmt: skip
     if not args.calibrate:
         if args.step_ms <= 0 or args.batch_size < 1 or args.grad_bytes_per_param <= 0:
             raise ValueError(
-                "predict: --step-ms, --batch-size and --grad-bytes-per-param must be above 0"
+                f"{args.command}: --step-ms, --batch-size and --grad-bytes-per-param must be "
+                "above 0"
             )
         params = costmodel.parse_count(args.params, "--params")
         if args.cores or args.probe_host:
             raise ValueError(
-                "predict: --cores and --probe-host model this host's processes, "
+                f"{args.command}: --cores and --probe-host model this host's processes, "
                 "calibrated from a run here: use them with --calibrate"
             )
         return costmodel.Calibration(
@@ -374,8 +418,124 @@ def failure_inputs(args: argparse.Namespace, cal: Any) -> tuple[float, float]:
     for name, value in (("--node-mtbf-h", mtbf_h), ("--checkpoint-s", checkpoint_s),
                         ("--restart-s", args.restart_s), ("--pause-s", args.pause_s)):  # fmt: skip
         if value < 0 or (name == "--node-mtbf-h" and value == 0):
-            raise ValueError(f"predict: {name} must be above 0, got {value:g}")
+            raise ValueError(f"{args.command}: {name} must be above 0, got {value:g}")
     return mtbf_h, checkpoint_s
+
+
+def plan_work(args: argparse.Namespace) -> float:
+    """plan's samples to train: --samples (or --tokens over --seq-len) times --epochs."""
+    from scaletrain.analysis import costmodel
+
+    if bool(args.samples) == bool(args.tokens):
+        raise ValueError("plan: give the work as --samples N or as --tokens N (with --seq-len)")
+    if args.tokens:
+        if not args.seq_len or args.seq_len < 1:
+            raise ValueError("plan: --tokens counts the work in tokens: give --seq-len, the "
+                             "tokens of one sample")  # fmt: skip
+        samples = costmodel.parse_count(args.tokens, "--tokens") / args.seq_len
+    else:
+        samples = costmodel.parse_count(args.samples, "--samples")
+    if not args.plan_epochs > 0:
+        raise ValueError(f"plan: --epochs must be above 0, got {args.plan_epochs:g}")
+    return samples * args.plan_epochs
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from scaletrain.analysis import costmodel, planner
+    from scaletrain.analysis.sweep import parse_list
+
+    samples = plan_work(args)
+    worker_counts = parse_list(args.workers, "workers", int)
+    if min(worker_counts) < 1:
+        raise ValueError("plan: --workers must be at least 1")
+    for name in ("global_batch", "max_global_batch", "budget_gpu_hours", "price_per_gpu_hour"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"plan: --{name.replace('_', '-')} must be above 0, got {value:g}")
+    if args.top < 1:
+        raise ValueError("plan: --top must be at least 1")
+    cal = predict_calibration(args, worker_counts)
+    mtbf_h, checkpoint_s = failure_inputs(args, cal)
+    failures = planner.Failures(mtbf_h * 3600, checkpoint_s, args.restart_s, args.pause_s)
+    limits = planner.Limits(
+        deadline_s=planner.parse_duration(args.deadline, "--deadline") if args.deadline else None,
+        budget_gpu_hours=args.budget_gpu_hours, max_global_batch=args.max_global_batch,
+    )  # fmt: skip
+    every = planner.options(cal, parse_list(args.methods, "methods"), worker_counts, samples,
+                            failures, limits, args.price_per_gpu_hour,
+                            args.global_batch)  # fmt: skip
+    ranked = planner.rank(every, args.rank_by)
+    if args.json:
+        order = {id(o): i for i, o in enumerate(every)}  # the ranked first, then the rest
+        rest = sorted((o for o in every if o.excluded), key=lambda o: order[id(o)])
+        print(json.dumps([{"rank": i + 1 if not o.excluded else None, **dataclasses.asdict(o)}
+                          for i, o in enumerate([*ranked, *rest])], indent=1))  # fmt: skip
+        return 0
+    # Piped (a file, the docs), rich would cut the table at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    price = args.price_per_gpu_hour
+    console.print(
+        f"plan: {samples:,.0f} samples to train; {cal.compute_s * 1e3:,.1f} ms a step at "
+        f"{cal.batch_size} samples a device, {cal.grad_bytes / 1e6:,.1f} MB of gradients; "
+        f"{cal.gpus_per_node} devices a node; ranked by "
+        f"{'time to train' if args.rank_by == 'time' else 'cost (GPU-hours)'} (W: devices, "
+        "batch: the global batch, ckpt: the checkpoint interval)",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    if not ranked:
+        reasons = sorted({o.excluded.split(",")[0].split(" (")[0] for o in every})
+        console.print("no configuration fits: " + "; ".join(reasons[:5]), highlight=False,
+                      soft_wrap=True)  # fmt: skip
+        return 0
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for column in (
+        "#",
+        "method",
+        "W",
+        "batch",
+        "recovery",
+        "ckpt",
+        "to train",
+        "goodput",
+        "GPU-h",
+        *(["cost"] if price else []),
+    ):
+        table.add_column(column, no_wrap=column != "method")  # fmt: skip
+    for i, o in enumerate(ranked[: args.top], 1):
+        table.add_row(str(i), o.method, f"{o.workers:,}", f"{o.global_batch:,}", o.recovery,
+                      f"{o.checkpoint_interval_s / 60:,.0f} min",
+                      planner.duration_text(o.time_s), f"{o.goodput:.1%}",
+                      f"{o.gpu_hours:,.0f}",
+                      *([f"{o.cost:,.0f}"] if o.cost is not None else []))  # fmt: skip
+    console.print(table)
+    for i, o in enumerate(ranked[1 : args.top + 1], 2):
+        shown = "" if i <= args.top else " (the next one, not shown)"
+        console.print(f"  #{i} {o.method} on {o.workers:,}{shown}: {o.loses_because}",
+                      highlight=False, soft_wrap=True)  # fmt: skip
+    excluded = [o for o in every if o.excluded]
+    if excluded:
+        console.print(f"set aside: {len(excluded)} of {len(every)} configurations, e.g. "
+                      f"{excluded[0].method} on {excluded[0].workers:,}: "
+                      f"{excluded[0].excluded}", highlight=False, soft_wrap=True)  # fmt: skip
+    console.print(
+        f"assumes: the cost model's (scaletrain predict), a node failing every {mtbf_h:,.0f} h "
+        f"on average, a checkpoint blocking {checkpoint_s:.1f} s every Young/Daly interval, a "
+        f"failed node back in {args.restart_s:g} s; a step's compute in proportion to a "
+        "device's samples; the global batch's effect on convergence is not modelled",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    if args.cluster:
+        clusters = costmodel.load_clusters(Path(args.cluster_file) if args.cluster_file else None)
+        for source in clusters[args.cluster].sources:
+            console.print(f"{args.cluster}: {source}", highlight=False, soft_wrap=True)
+    return 0
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -534,7 +694,7 @@ def run_command(argv: list[str] | None = None) -> int:
 
     try:
         commands = {"shard": cmd_shard, "report": cmd_report, "bench": cmd_bench,
-                    "predict": cmd_predict, "plan": cmd_predict}  # fmt: skip
+                    "predict": cmd_predict, "plan": cmd_plan}  # fmt: skip
         return commands.get(args.command, cmd_run)(args)
     except ValueError as e:
         fail(f"error: {e}")

@@ -144,8 +144,8 @@ def test_predict_from_a_description_without_a_run(tmp_path):
     by_count = run_cli(*described[:2], str(count), *described[3:], "--json")
     assert by_model.returncode == 0, by_model.stderr
     assert json.loads(by_model.stdout) == json.loads(by_count.stdout)
-    # The table names the cluster's sources; `scaletrain plan` is the same command.
-    result = run_cli("plan", *described[1:], "--cluster", "dgx-a100")
+    # The table names the cluster's sources.
+    result = run_cli(*described, "--cluster", "dgx-a100")
     assert result.returncode == 0 and "DGX A100 datasheet" in result.stdout, result.stdout
     # A reader that leaves early (`... --json | head`): exit 1, no traceback.
     many = ",".join(map(str, range(1, 401)))  # ~100 KB of JSON: more than a pipe holds
@@ -168,6 +168,51 @@ def test_predict_from_a_description_without_a_run(tmp_path):
         ([*described, "--node-mtbf-h", "0"], "--node-mtbf-h must be above 0"),
         ([*described[:-1], "hsdp:3"], "must divide the workers"),
         ([*described[:-1], "hsdp"], "cannot read method 'hsdp'"),
+    ]:
+        result = run_cli(*args)
+        assert result.returncode == 2 and "error:" in result.stderr, (args, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_plan_ranks_configurations_for_the_work_within_the_limits():
+    """`scaletrain plan`: a 1B-parameter model on 8-512 devices of a named cluster, 100M
+    samples: every configuration as JSON, the ranked ones first (by time to train, each but
+    the first saying why it is behind), then the ones a deadline set aside; the table names
+    the winner and the cluster's sources; a work or limit given wrong is the user's error."""
+    described = ["plan", "--params", "1B", "--step-ms", "400", "--batch-size", "8",
+                 "--cluster", "dgx-h100", "--grad-bytes-per-param", "2", "--samples", "100M",
+                 "--methods", "ddp,fsdp"]  # fmt: skip
+    result = run_cli(*described, "--deadline", "12h", "--price-per-gpu-hour", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    ranked = [r for r in rows if r["rank"] is not None]
+    assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1))
+    assert rows[: len(ranked)] == ranked and ranked
+    assert [r["time_s"] for r in ranked] == sorted(r["time_s"] for r in ranked)
+    assert all(r["time_s"] <= 12 * 3600 and not r["excluded"] for r in ranked)
+    assert all("past the deadline" in r["excluded"] for r in rows[len(ranked) :])
+    assert all(r["loses_because"] for r in ranked[1:]) and not ranked[0]["loses_because"]
+    assert {r["workers"] for r in rows} == {8, 16, 32, 64, 128, 256, 512}
+    assert all(r["cost"] == pytest.approx(2 * r["gpu_hours"]) for r in rows)
+    # --tokens over --seq-len is the same work in samples.
+    limits = ["--deadline", "12h", "--price-per-gpu-hour", "2", "--json"]
+    tokens = run_cli(*described[:-4], "--tokens", "409.6B", "--seq-len", "4096", "--methods",
+                     "ddp,fsdp", *limits)  # fmt: skip
+    assert json.loads(tokens.stdout) == rows
+    table = run_cli(*described, "--top", "2")
+    assert table.returncode == 0, table.stderr
+    best = ranked[0]
+    assert f"{best['workers']}" in table.stdout and "the next one, not shown" in table.stdout
+    assert "dgx-h100: " in table.stdout
+    for args, message in [
+        (described[:-4], "give the work as --samples N or as --tokens N"),
+        ([*described, "--tokens", "1B"], "give the work as --samples N or as --tokens N"),
+        ([*described[:-4], "--tokens", "1B"], "give --seq-len"),
+        ([*described, "--deadline", "soon"], "--deadline: expected a duration"),
+        ([*described, "--top", "0"], "--top must be at least 1"),
+        ([*described, "--budget-gpu-hours", "-3"], "--budget-gpu-hours must be above 0"),
+        ([*described, "--epochs", "0"], "--epochs must be above 0"),
+        (described[:1] + described[3:], "plan: give --calibrate RUN_DIR"),
     ]:
         result = run_cli(*args)
         assert result.returncode == 2 and "error:" in result.stderr, (args, result.stderr)

@@ -81,7 +81,7 @@ def test_hash_ignores_output_directory():
     assert a.hash() == b.hash() != c.hash()
 
 
-@pytest.mark.parametrize("command", ["run", "demo", "bench", "predict", "report"])
+@pytest.mark.parametrize("command", ["run", "demo", "bench", "predict", "plan", "report"])
 def test_every_command_prints_its_help(command, capsys):
     """--help lists every flag with its help text (one with a literal % once crashed it)."""
     from scaletrain.cli import main
