@@ -166,8 +166,8 @@ def fault_runs(w: int, kills: int | None = None) -> dict[str, Overrides]:
                        for i, r in enumerate(range(1, w, max(1, w // 4)))
                        if i < (4 if kills is None else kills))  # fmt: skip
     # At least 2 servers, and the last one killed: not server 0, whose coordinator restored
-    # from its checkpoint would deal the samples since then again (the kept updates of a
-    # restored slice are issue-38 work: a parameter server that loses nothing).
+    # from its checkpoint would deal the samples since then again (a restored slice loses
+    # the updates since its checkpoint: no shard has a backup yet).
     # ssp (staleness 4): the workers advance together, so each reaches the step it dies at
     # (under asp the workers that imported torch first took most of the leases at 32).
     servers = max(2, w // 8)

@@ -229,6 +229,58 @@ def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
     assert_no_orphans(out)
 
 
+def test_a_hung_server_is_ended_by_its_watchdog_and_restarted_from_its_checkpoint(tmp_path):
+    """A server stuck in an update (--inject hang of its rank) holds every worker's push; its
+    own watchdog ends it after --hang-timeout-s (exit 75, named in its log), its launcher
+    restarts it from its newest checkpoint, the workers reconnect and the job finishes, every
+    sample trained once. Before, --inject hang of a server rank was refused: nothing ended a
+    silent server."""
+    out = tmp_path / "run"
+    result = run_cli("run", *PS, "--consistency", "bsp", "--epochs", "2", *JOB,
+                     "--log-sample-ids", "--max-restarts", "1", "--checkpoint-every", "5",
+                     "--hang-timeout-s", "4", "--inject", "hang:rank=4:step=8",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary, records = load(out)
+    [hang] = summary["recoveries"]
+    assert hang["kind"] == "ps-server" and hang["server"] == 1 and hang["restarted"], hang
+    assert "hang" in hang["cause"], hang
+    assert "hang detected: rank 4 has been in 'apply' of step 8" in \
+        (out / "logs" / "rank4.log").read_text()  # fmt: skip
+    # It restored a checkpoint of before its 8th update: the 5th, or none yet (0) if that
+    # write was still in flight.
+    assert hang["restored_version"] in (0, 5), hang
+    assert all(r["attempt"] == 0 for r in records)  # the workers only waited
+    assert_exactly_once(records, 2)
+    assert_ledger_once(out, 2)
+    assert_no_orphans(out)
+
+
+def test_a_frozen_server_is_killed_by_its_launcher_and_restarted_from_its_checkpoint(tmp_path):
+    """A server frozen whole (SIGSTOP: its own watchdog is frozen with it) stops touching its
+    heartbeat file; after --hang-timeout-s its launcher kills it, names why, and restarts it
+    from its checkpoint; the workers reconnect and the job finishes, every sample once."""
+    out = tmp_path / "run"
+    proc = start(*PS, "--consistency", "bsp", "--epochs", "3", *JOB, "--log-sample-ids",
+                 "--max-restarts", "1", "--checkpoint-every", "5", "--hang-timeout-s", "3",
+                 "--out", str(out))  # fmt: skip
+    wait_for_step(out, 5, proc)
+    pid = worker_pid(out, 4)  # server 1
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stderr
+    summary, records = load(out)
+    [frozen] = summary["recoveries"]
+    assert frozen["kind"] == "ps-server" and frozen["server"] == 1 and frozen["restarted"]
+    assert "heartbeat stopped" in frozen["cause"] and "--hang-timeout-s 3" in frozen["cause"]
+    assert "server rank 4: silent for" in stderr
+    assert all(r["attempt"] == 0 for r in records)  # the workers only waited
+    assert_exactly_once(records, 3)
+    assert_ledger_once(out, 3)
+    assert_no_orphans(out)
+
+
 def test_bad_parameter_server_input_fails_before_any_process(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("SCALETRAIN_JOIN_TOKEN", raising=False)
     # The config checks are unit-tested (tests/unit/test_ps_rules.py); here, the CLI's exit.

@@ -124,6 +124,21 @@ def _connect_store(timeout_s: float) -> Any:
     )
 
 
+def touch(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+
+
+def beat_age_s(path: Path, since: float) -> float:
+    """Seconds since ``path`` was last touched, or since ``since`` (a process's start, wall
+    clock) when it was not touched after it."""
+    try:
+        last = max(path.stat().st_mtime, since)
+    except OSError:
+        last = since
+    return time.time() - last
+
+
 class NullWatchdog:
     """Where no group store holds heartbeats (processes the launcher supervises one by one:
     in-place replicas, parameter-server workers), the loop marks its phases all the same."""
@@ -147,10 +162,15 @@ class SelfWatchdog(NullWatchdog):
     the peer); it names itself in its log and exits with HANG_EXIT_CODE, and its launcher
     restarts it (a replica heals from a live peer; a worker's leases go to the others).
     Inside a collective it waits three times as long before ending itself, in case that
-    timeout never fires."""
+    timeout never fires. In the phase IDLE (a parameter server waiting for pushes: it owes
+    nobody anything) it never does."""
 
-    def __init__(self, *, rank: int, timeout_s: float) -> None:
-        self.rank, self.timeout_s = rank, timeout_s
+    IDLE = "idle"
+
+    def __init__(self, *, rank: int, timeout_s: float, beat_path: Path | None = None) -> None:
+        """``beat_path``: a file this thread touches every BEAT_INTERVAL_S, for a supervisor
+        to see that the process still runs (a frozen process stops touching it)."""
+        self.rank, self.timeout_s, self.beat_path = rank, timeout_s, beat_path
         self._beat = Beat(0, "starting", "", time.time())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="scaletrain-watchdog")
@@ -169,15 +189,20 @@ class SelfWatchdog(NullWatchdog):
 
     def _loop(self) -> None:
         interval = BEAT_INTERVAL_S / 4
-        checked, grace_until = time.monotonic(), 0.0
+        checked, grace_until, touched = time.monotonic(), 0.0, 0.0
         while not self._stop.wait(interval):
             now = time.monotonic()
+            if self.beat_path is not None and now - touched >= BEAT_INTERVAL_S:
+                touch(self.beat_path)
+                touched = now
             if now - checked > 4 * interval + 1.0:
                 # This thread did not run for a while: the whole process was frozen (SIGSTOP,
                 # a suspended VM), not its loop alone. Give the loop a full timeout to move.
                 grace_until = now + self.timeout_s
             checked = now
             beat = self._beat  # read once: the trainer may move on while we look
+            if beat.phase == self.IDLE:
+                continue
             limit = self.timeout_s * (3 if beat.collective else 1)
             stalled = time.time() - beat.since
             if stalled > limit and now >= grace_until:

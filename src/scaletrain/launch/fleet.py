@@ -116,13 +116,17 @@ class ProcessFleet:
     def _record_death(self, rank: int, code: int, restarted: bool, **extra: Any) -> dict:
         """``rank``'s death as a line of logs/incidents.jsonl (and the line's fields)."""
         died = time.time()
-        death = {"rank": rank, "cause": describe_exit(code), "attempt": self.attempts[rank],
+        death = {"rank": rank, "cause": self.cause_of(rank, code), "attempt": self.attempts[rank],
                  "died_at": died, "restarted": restarted}  # fmt: skip
         append_jsonl(
             self.run_dir / "logs" / "incidents.jsonl",
             {"kind": self.kind(rank), **death, "detected_at": died, **extra},
         )
         return death
+
+    def cause_of(self, rank: int, code: int) -> str:
+        """What ended ``rank``'s process, which exited with ``code``."""
+        return describe_exit(code)
 
     def _died(self, rank: int, code: int) -> None:
         death = self._record_death(rank, code, self.may_restart(rank))

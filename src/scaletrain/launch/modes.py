@@ -26,14 +26,6 @@ from scaletrain.config import RunConfig, parse_nnodes
 MODES = ("restart", "inplace", "ps")
 # The strategies --recovery inplace runs (strategies/inplace.py, inplace_rounds.py).
 INPLACE_STRATEGIES = ("ddp", "local_sgd", "diloco")
-# A stuck process is ended by a watchdog: the restart mode's, in place and a parameter
-# server's workers each their own (fault/watchdog.py's SelfWatchdog). A parameter server's
-# servers have none yet: a hang injected there left the job running until it was killed.
-_NO_SERVER_HANG_WATCHDOG = (
-    "inject: hang:rank={rank} is a server under {name} (ranks {first}..{last}), and nothing "
-    "ends a silent server process yet, so the job would never finish; hang a worker (rank "
-    "below {first})"
-)
 
 
 # Compressors in-place recovery cannot carry, and why (fp16 and bf16 it can: one all-reduce
@@ -56,12 +48,6 @@ def mode_of(cfg: RunConfig) -> str:
 
 def _faults(cfg: RunConfig) -> set[str]:
     return {item.split(":")[0].strip() for item in cfg.fault.inject.split(",") if item.strip()}
-
-
-def _hung_ranks(cfg: RunConfig) -> list[int]:
-    from scaletrain.fault.inject import Hang, parse_inject
-
-    return [f.rank for f in parse_inject(cfg.fault.inject) if isinstance(f, Hang)]
 
 
 def refusals(cfg: RunConfig) -> list[str]:
@@ -124,12 +110,6 @@ def refusals(cfg: RunConfig) -> list[str]:
                 f"inject: corrupt-checkpoint damages the trainer's checkpoints; under {name} "
                 "the servers keep their own"
             )
-        world = cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[0]
-        first = world - cfg.ps.num_servers
-        for rank in _hung_ranks(cfg):
-            if rank >= first:
-                out.append(_NO_SERVER_HANG_WATCHDOG.format(rank=rank, name=name, first=first,
-                                                           last=world - 1))  # fmt: skip
     return out
 
 

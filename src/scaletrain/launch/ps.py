@@ -20,6 +20,10 @@ restores (logs/ps_events.jsonl) become ``recoveries``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -41,6 +45,9 @@ FINISH_GRACE_S = 60.0
 # milliseconds; a refused or unreachable store is an error within this bound (a reply that
 # never comes on a cut link is not: see close()).
 BEAT_CALL_S = 5.0
+
+
+log = logging.getLogger(__name__)
 
 
 class PSFailed(RuntimeError):
@@ -81,6 +88,9 @@ class PSFleet(JobFleet):
                                       timeout=timedelta(seconds=cfg.launch.timeout_s))  # fmt: skip
             self.address = cfg.launch.rdzv_endpoint
         self.finish_at: float | None = None
+        self.started_wall: dict[int, float] = {}  # each rank's process start (wall clock)
+        self.silenced: dict[int, str] = {}  # servers killed as frozen: why
+        self._frozen_checked = 0.0
         self.token = launcher_token(cfg.launch.join_token_file)
         self._remote: dict[int, str] = {}  # how ranks of other nodes ended
         self._remote_read = 0.0
@@ -166,6 +176,49 @@ class PSFleet(JobFleet):
 
     def is_worker(self, rank: int) -> bool:
         return rank < self.num_workers
+
+    def start(self, rank: int) -> None:
+        self.started_wall[rank] = time.time()
+        super().start(rank)
+
+    def poll(self) -> None:
+        self._end_frozen_servers()
+        super().poll()
+
+    def _end_frozen_servers(self) -> None:
+        """Kill a local server whose heartbeat (a file its watchdog touches every second)
+        has not moved for --hang-timeout-s: it is frozen whole (SIGSTOP, a wedged process)
+        where its own watchdog cannot act. It then dies as any dead server does, and is
+        restarted from its checkpoint. A server that has not beaten yet in this incarnation
+        (still starting) is left alone."""
+        from scaletrain.fault.watchdog import beat_age_s
+        from scaletrain.strategies.param_server.server import server_beat_path
+
+        now = time.monotonic()
+        if now - self._frozen_checked < 0.5:
+            return
+        self._frozen_checked = now
+        limit = self.cfg.hang_timeout_s
+        for rank, proc in list(self.procs.items()):
+            if self.is_worker(rank) or rank in self.silenced or proc.poll() is not None:
+                continue
+            beat = server_beat_path(self.run_dir, rank)
+            started = self.started_wall[rank]
+            if not beat.exists() or beat.stat().st_mtime < started:
+                continue
+            age = beat_age_s(beat, started)
+            if age > limit:
+                self.silenced[rank] = (
+                    f"silent for {age:.0f} s (its heartbeat stopped: frozen, or wedged where "
+                    f"its own watchdog cannot act), killed by its launcher after "
+                    f"--hang-timeout-s {limit:g}"
+                )
+                log.warning("server rank %d: %s", rank, self.silenced[rank])
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+    def cause_of(self, rank: int, code: int) -> str:
+        return self.silenced.pop(rank, None) or super().cause_of(rank, code)
 
     def env(self, rank: int) -> dict[str, str]:
         return {

@@ -45,6 +45,7 @@ from torch import nn
 from scaletrain.config import RunConfig
 from scaletrain.fault.checkpoint import load_latest, save_checkpoint
 from scaletrain.fault.inject import parse_inject
+from scaletrain.fault.watchdog import SelfWatchdog
 from scaletrain.io import JsonlWriter, append_jsonl, atomic_torch_save
 from scaletrain.schedule import lr_factor, scale_lr
 from scaletrain.strategies.param_server import consistency as rules
@@ -60,6 +61,11 @@ def append_event(run_dir: Path, event: dict[str, Any]) -> None:
 
 
 LEDGER = "ps_ledger.jsonl"
+
+
+def server_beat_path(run_dir: Path, rank: int) -> Path:
+    """The file a server's watchdog touches every second (its launcher reads its age)."""
+    return run_dir / "logs" / "beats" / f"rank{rank}"
 
 
 def first_line(e: BaseException) -> str:
@@ -93,6 +99,15 @@ class ShardServer:
         self.total_updates = rules.total_updates(cfg, num_train, num_workers)
         self.rank = num_workers + index
         self.faults = parse_inject(cfg.fault.inject)
+        # An update that does not end within --hang-timeout-s (a stuck apply, --inject hang of
+        # this rank) ends this server (exit 75): its launcher restarts it from its checkpoint,
+        # as after a death. Waiting for pushes is idle: nothing is owed then. Its heartbeat
+        # file tells the launcher it is not frozen whole (launch/ps.py).
+        self.watchdog = SelfWatchdog(
+            rank=num_workers + index,
+            timeout_s=cfg.hang_timeout_s,
+            beat_path=server_beat_path(run_dir, num_workers + index),
+        )
         self.attempt, self.store, self.run_dir = attempt, store, run_dir
         # Each link sets itself up through a store connection of its own: a client is one
         # socket, and a peer that dies while its link forms must not block the others.
@@ -202,6 +217,7 @@ class ShardServer:
     def serve(self) -> None:
         acceptor = threading.Thread(target=self._accept, name="acceptor", daemon=True)
         acceptor.start()
+        self.watchdog.start().enter(self.version, SelfWatchdog.IDLE)
         self.store.set(f"ps/server{self.index}/incarnation", str(self.attempt))
         log.info("server %d serving %d parameters (attempt %d)",
                  self.index, self.param.numel(), self.attempt)  # fmt: skip
@@ -455,7 +471,15 @@ class ShardServer:
         """One update; the factor of --lr it was applied with. ``staleness``: None under bsp
         (a whole global step, fresh); under asp and ssp the push's, for the staleness rule's
         learning rate (consistency.py)."""
-        for fault in self.faults:  # kill:rank=R:step=S kills server rank R at its S-th update
+        self.watchdog.enter(self.version + 1, "apply")
+        try:
+            return self._apply_now(grad, staleness)
+        finally:
+            self.watchdog.enter(self.version, SelfWatchdog.IDLE)
+
+    def _apply_now(self, grad: torch.Tensor, staleness: int | None) -> float:
+        # kill:rank=R:step=S (and hang) fire at server rank R's S-th update.
+        for fault in self.faults:
             fault.before_step(self.version + 1, self.rank, self.attempt)
         factor = 1.0
         if self.cfg.optim.lr_schedule != "constant" or self.cfg.optim.warmup_steps:
