@@ -422,6 +422,16 @@ def failure_inputs(args: argparse.Namespace, cal: Any) -> tuple[float, float]:
     return mtbf_h, checkpoint_s
 
 
+def print_cluster_sources(console: Any, args: argparse.Namespace) -> None:
+    """The sources of --cluster's figures, a line each."""
+    from scaletrain.analysis import costmodel
+
+    if args.cluster:
+        clusters = costmodel.load_clusters(Path(args.cluster_file) if args.cluster_file else None)
+        for source in clusters[args.cluster].sources:
+            console.print(f"{args.cluster}: {source}", highlight=False, soft_wrap=True)
+
+
 def plan_work(args: argparse.Namespace) -> float:
     """plan's samples to train: --samples (or --tokens over --seq-len) times --epochs."""
     from scaletrain.analysis import costmodel
@@ -448,7 +458,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from scaletrain.analysis import costmodel, planner
+    from scaletrain.analysis import planner
     from scaletrain.analysis.sweep import parse_list
 
     samples = plan_work(args)
@@ -531,10 +541,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "device's samples; the global batch's effect on convergence is not modelled",
         highlight=False, soft_wrap=True,
     )  # fmt: skip
-    if args.cluster:
-        clusters = costmodel.load_clusters(Path(args.cluster_file) if args.cluster_file else None)
-        for source in clusters[args.cluster].sources:
-            console.print(f"{args.cluster}: {source}", highlight=False, soft_wrap=True)
+    print_cluster_sources(console, args)
     return 0
 
 
@@ -621,10 +628,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         f"({first.job_mtbf_s / 3600:,.1f} h at W={first.workers})",
         highlight=False, soft_wrap=True,
     )  # fmt: skip
-    if args.cluster:
-        clusters = costmodel.load_clusters(Path(args.cluster_file) if args.cluster_file else None)
-        for source in clusters[args.cluster].sources:
-            console.print(f"{args.cluster}: {source}", highlight=False, soft_wrap=True)
+    print_cluster_sources(console, args)
     return 0
 
 
