@@ -133,6 +133,14 @@ def forked(run_dir: str) -> None:
     STARTED = time.time()
     from setproctitle import setproctitle
 
+    # A session of its own, as torch's agent gives a started worker (and a fleet stops a
+    # process with its group): Linux shares the cores between sessions first (autogroup),
+    # so workers left in their launcher's session competed as one task group with
+    # everything else there; and a terminal's Ctrl-C reaches the launcher alone, which
+    # stops the workers.
+    if os.getsid(0) != os.getpid():
+        os.setsid()
+
     # Its command line is the fork server's: name it as a started worker's would read, with
     # what /proc/PID/environ no longer tells (that is the server's): its rank, and its role
     # under a parameter server.
@@ -146,9 +154,8 @@ def forked(run_dir: str) -> None:
 
 def forked_in_fleet(run_dir: str, environ: dict[str, str]) -> None:
     """Entry point of a fleet's process (in place, parameter server) forked by the launcher's
-    fork server: in a session of its own (the fleet stops a process with its group) and with
-    exactly the environment the fleet gives it, as a started one had. It never returns."""
-    os.setsid()
+    fork server, with exactly the environment the fleet gives it, as a started one had. It
+    never returns."""
     os.environ.clear()
     os.environ.update(environ)
     forked(run_dir)
