@@ -227,9 +227,12 @@ class ShardServer:
             threading.Thread(target=self._barrier_watch, daemon=True).start()
         if self.mode == "ssp":
             threading.Thread(target=self._bound_watch, daemon=True).start()
-        while not self.store.check(["ps/finish"]):
-            time.sleep(0.1)
-        self.stop.set()
+        try:
+            while not self.store.check(["ps/finish"]):
+                time.sleep(0.1)
+        finally:
+            self.stop.set()
+            self.watchdog.stop()
         with self.cond:
             final = {
                 "param": self.param.detach().clone(),
