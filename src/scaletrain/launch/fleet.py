@@ -14,7 +14,6 @@ of CPU importing torch, all at once at the start, and again at every restart.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -108,8 +107,7 @@ class ProcessFleet:
 
     def stop_all(self) -> None:
         for proc in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
             proc.wait()
         self.procs.clear()
 

@@ -20,10 +20,7 @@ restores (logs/ps_events.jsonl) become ``recoveries``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -214,8 +211,7 @@ class PSFleet(JobFleet):
                     f"--hang-timeout-s {limit:g}"
                 )
                 log.warning("server rank %d: %s", rank, self.silenced[rank])
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
 
     def cause_of(self, rank: int, code: int) -> str:
         return self.silenced.pop(rank, None) or super().cause_of(rank, code)
