@@ -1,11 +1,11 @@
 """The restart mode: torch's elastic agent (what torchrun runs), locally or across nodes.
 
 The launcher process *is* the elastic agent of its node: it rendezvouses with the other
-nodes' agents (c10d backend, rendezvous.py), starts ``python -m scaletrain.worker RUN_DIR``
-once per local rank, watches them, restarts the group on failure up to --max-restarts, and
-stops every worker (SIGTERM, then SIGKILL after a grace period) when one fails for good.
-Workers also ask the kernel to kill them if the agent dies (runtime.die_with_parent), so no
-orphans remain.
+nodes' agents (c10d backend, rendezvous.py), forks one worker per local rank from its fork
+server (launch/forkserver.py: torch imported once, not once a worker), watches them,
+restarts the group on failure up to --max-restarts, and stops every worker (SIGTERM, then
+SIGKILL after a grace period) when one fails for good. Workers also ask the kernel to kill
+them if the agent dies (runtime.die_with_parent), so no orphans remain.
 
 Measured on torch 2.13: with the default shared rendezvous store, restarted workers sometimes
 read stale gloo addresses (pytorch #135712); TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,28 +130,48 @@ class _DeathRecorder(logging.Handler):
         base = current_job_run(self.run_dir)[1]
         return base + int(os.environ.get(env.ATTEMPT, self.restarts))
 
-    def root_causes(self, reported: int, exit_codes: dict[str, int]) -> list[int]:
+    def root_causes(
+        self, reported: int, exit_codes: dict[str, int], stopped: Collection[int] = ()
+    ) -> list[int]:
         """The agent reports the failure it saw first, often a survivor whose collective
         failed ("Connection closed by peer") a moment before the agent noticed the dead rank.
-        When it logs, the group is already stopped: the ranks whose error file is missing (a
-        signal) or names a cause rather than a symptom are the candidates; of those, a rank
-        that ended by the SIGTERM the agent sends when it stops the group is not, when
-        another ended otherwise (``exit_codes``: by error file, as take_exit_codes gives
-        them). Empty when every rank of this node failed as a symptom (the cause is on
-        another node)."""
+        The ranks whose error file is missing (a signal, or still running) or names a cause
+        rather than a symptom are the candidates. Of those, two kinds are not, when another
+        candidate is left: a rank that ended by the SIGTERM the agent sends when it stops the
+        group (``exit_codes``: by error file, as take_exit_codes gives them), and a rank that
+        torch stopped or had not yet stopped when the agent logged (``stopped``, global ranks:
+        see stopped_ranks). Empty when every rank of this node failed as a symptom (the
+        cause is on another node)."""
         from scaletrain.metrics.logs import COLLATERAL
 
-        candidates, stopped = [], []
+        candidates, bystanders = [], []
         for rank in sorted(self.logs.ranks.values()):
             path = self.run_dir / "logs" / "errors" / f"rank{rank}.json"
             text = path.read_text(errors="replace") if path.exists() else ""
             if not any(pattern in text for pattern in COLLATERAL):
                 candidates.append(rank)
-                if exit_codes.get(str(path)) == -signal.SIGTERM:
-                    stopped.append(rank)
-        if stopped and len(stopped) < len(candidates):
-            candidates = [rank for rank in candidates if rank not in stopped]
+                if exit_codes.get(str(path)) == -signal.SIGTERM or rank in stopped:
+                    bystanders.append(rank)
+        if bystanders and len(bystanders) < len(candidates):
+            candidates = [rank for rank in candidates if rank not in bystanders]
         return sorted(candidates, key=lambda r: r != reported)
+
+    def stopped_ranks(self, record: logging.LogRecord) -> set[int]:
+        """The global ranks that torch stopped, not ones that died, when the agent logged
+        ``record``: still running, or ended by SIGTERM. Forked workers (torch's
+        MultiprocessContext) are reported as the one failure the agent met first; torch has
+        already SIGTERMed the others (its ProcessContext.join), and a rank that was blocked
+        in a collective with the dead one has no error file, like a SIGKILLed one. The
+        context is the ``self`` of the frame that caught the failure; none found (another
+        torch), none known."""
+        traceback = record.exc_info[2] if record.exc_info else None
+        context = traceback.tb_frame.f_locals.get("self") if traceback else None
+        processes = getattr(getattr(context, "_pc", None), "processes", None) or []
+        return {
+            self.logs.ranks[local_rank]
+            for local_rank, process in enumerate(processes)
+            if local_rank in self.logs.ranks and process.exitcode in (None, -signal.SIGTERM)
+        }
 
     def emit(self, record: logging.LogRecord) -> None:
         args = record.args if isinstance(record.args, tuple) else ()
@@ -162,7 +182,7 @@ class _DeathRecorder(logging.Handler):
         from scaletrain.metrics.logs import take_exit_codes
 
         reported = self.logs.ranks.get(int(str(local_rank)), -1)
-        causes = self.root_causes(reported, take_exit_codes())
+        causes = self.root_causes(reported, take_exit_codes(), self.stopped_ranks(record))
         append_incident(
             self.run_dir,
             {"kind": "death", "attempt": self.attempt, "ranks": causes or [reported],
