@@ -280,7 +280,8 @@ class FleetWorld(World):
         """In place with checkpoints: the launcher asked (fleet_stopper). Each replica looks
         after each of its steps; those that look after the same step leave together, one
         that saw it a step later trains that step without them and leaves after it, so the
-        last step's quorum rank 0 always leaves at it and checkpoints it."""
+        last step's quorum rank 0 always leaves at it and checkpoints it. Local SGD and
+        DiLoCo leave only together, as their synchronization agreed (may_leave)."""
         return (
             self._in_place(loop)
             and bool(loop.cfg.fault.checkpoints_on)

@@ -15,14 +15,16 @@ synchronization), and the cursor moves past the round when it is dealt.
 A synchronization. Each participant hands one all-reduce (torchft's, over the quorum) its
 sample-weighted replica (local SGD: ``n_k theta_k``; DiLoCo: ``n_k (theta_global -
 theta_k)``, the pseudo-gradient; float buffers plainly), its count ``n_k``, a mark at its
-round rank and its replica id at its quorum rank. When every participant commits
-(``should_commit``), each replaces its replica by the weighted mean (DiLoCo: the outer
-Nesterov step on theta_global with the mean pseudo-gradient, then theta_k = theta_global). A
-failed all-reduce (a peer died in it) forms a new quorum and tries again with the same
-payload. The round ranks nobody marked belong to replicas that died (or fell behind) during
-the round: their samples go onto the redo list, which the next round deals first, so every
-sample is trained once per epoch. The next step's record names the lost work (``lost``:
-[[replica, round], ...]); ``without_lost_work`` leaves those records out of a count.
+round rank, its replica id at its quorum rank, and whether it has seen a preemption request
+(if one has, all leave after the next round's first step: may_leave). When every
+participant commits (``should_commit``), each replaces its replica by the weighted mean
+(DiLoCo: the outer Nesterov step on theta_global with the mean pseudo-gradient, then theta_k
+= theta_global). A failed all-reduce (a peer died in it) forms a new quorum and tries again
+with the same payload. The round ranks nobody marked belong to replicas that died (or fell
+behind) during the round: their samples go onto the redo list, which the next round deals
+first, so every sample is trained once per epoch. The next step's record names the lost work
+(``lost``: [[replica, round], ...]); ``without_lost_work`` leaves those records out of a
+count.
 
 Healing and checkpoints. A replica that starts, or fell behind, joins at the next
 synchronization: torchft heals it from a peer with the state the peers held just after their
@@ -47,6 +49,7 @@ from torch import nn
 
 from scaletrain.data.partition import split_counts
 from scaletrain.data.plans import RunEnded, StepPlan
+from scaletrain.fault.preempt import preempt_path
 from scaletrain.fault.recovery import rng_state
 from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult
 from scaletrain.strategies.inplace import (
@@ -211,10 +214,14 @@ class InplaceRoundsStrategy(InplaceStrategy):
                 t.copy_(value)
 
     def may_leave(self) -> bool:
-        """Only after a round's first step: every replica looks there, so those that saw the
-        request leave with the same synchronization's state (one step trained after it is
-        lost). Leaving mid-round, a replica's round would be lost and redone by the others."""
-        return self.plan.next == 1
+        """Only after a round's first step, and only when the synchronization before it
+        found that some participant had seen the request (``leave_agreed``): they all leave
+        there, with that synchronization's state (the one step trained after it is lost).
+        A replica's own look at the request would not do: one 4x slower ends the round's
+        first step after the request came and the others ended it before, and would leave a
+        round ahead of them. Leaving mid-round, a replica's round would be lost and redone
+        by the others."""
+        return self.plan.next == 1 and self.plan.leave_agreed
 
     def eval_model(self) -> nn.Module:
         """Between synchronizations the replicas differ: the model they last agreed on (the
@@ -246,6 +253,7 @@ class RoundPlan(QuorumPlan):
         # The last synchronization's quorum: its size and replica ids by quorum rank.
         self.members: list[int] = []
         self.deal_on_heal = False
+        self.leave_agreed = False  # the last synchronization: a participant saw a preemption
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -364,8 +372,9 @@ class RoundPlan(QuorumPlan):
             n, rank = strategy.membership()
             member = self.round is not None and self.round_rank is not None
             payload, weight = strategy.sync_payload(member)
-            slots = torch.zeros(1 + 2 * world, dtype=payload.dtype)
+            slots = torch.zeros(2 + 2 * world, dtype=payload.dtype)
             slots[0] = weight
+            slots[-1] = float(preempt_path(strategy.run_dir).exists())
             if member:
                 assert self.round_rank is not None
                 slots[1 + self.round_rank] = 1.0
@@ -393,6 +402,7 @@ class RoundPlan(QuorumPlan):
         if lost:
             extras["lost"] = lost
         self.members = [round(float(x)) - 1 for x in slots[1 + world : 1 + world + n]]
+        self.leave_agreed = float(slots[-1]) > 0.5
         return extras
 
     def _close_round(self, progress: Any, marks: list[float]) -> list[list[int]]:
