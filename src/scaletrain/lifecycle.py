@@ -265,7 +265,7 @@ class FleetWorld(World):
         ctx = loop.ctx
         if not self._in_place(loop) or ctx.attempt != 0:
             return None
-        return resume(
+        resumed = resume(
             loop.run_dir / "checkpoints",
             loop.restore_checkpoint,
             data_world_size=ctx.world_size,
@@ -275,6 +275,9 @@ class FleetWorld(World):
             metrics=loop.run_dir / "metrics.jsonl",
             job_run=ctx.job_run,
         )
+        if resumed is not None:
+            loop.strategy.resumed_at(resumed.step)
+        return resumed
 
     def preempted(self, loop: Loop) -> bool:
         """In place with checkpoints: the launcher asked (fleet_stopper). Each replica looks

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 
 import pytest
 
@@ -167,3 +168,91 @@ def test_inplace_refuses_what_it_cannot_do():
     ]:
         with pytest.raises(ValueError, match=message):
             describe_plan(with_overrides(RunConfig(), {**base, **overrides}))
+
+
+def test_a_resumed_replica_outranks_one_restarted_afresh_in_their_first_quorum(tmp_path):
+    """Two replicas of a job run that continues from the checkpoint of step 7: replica 1
+    resumed from it; replica 0 was restarted before the first commit and holds the fresh
+    state. In their first quorum (real torchft: a lighthouse and two managers) replica 0
+    must heal from replica 1. Were both at torchft's step 0, torchft would take replica 0,
+    the first id, as the source and copy its fresh state over the resumed one."""
+    import threading
+
+    import torch
+    from torchft.coordination import LighthouseServer
+
+    from scaletrain import env
+    from scaletrain.runtime import DistContext
+    from scaletrain.strategies.inplace import InplaceStrategy
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=60_000)
+    port = lighthouse.address().rpartition(":")[2]
+    os.environ[env.LIGHTHOUSE] = f"http://127.0.0.1:{port}"
+    os.environ[env.ADDR] = "127.0.0.1"
+    cfg = with_overrides(RunConfig(), {"recovery": "inplace", "out": str(tmp_path)})
+    replicas = []
+    for rank, attempt, value in ((0, 1, 0.0), (1, 0, 1.0)):
+        ctx = DistContext(rank=rank, world_size=2, local_rank=rank, local_world_size=2,
+                          restart_count=attempt, attempt=attempt, device=torch.device("cpu"),
+                          backend="gloo", mode="inplace")  # fmt: skip
+        strategy = InplaceStrategy(ctx, cfg)
+        model = torch.nn.Linear(4, 2)
+        torch.nn.init.constant_(model.weight, value)
+        strategy.setup(model, lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.functional.mse_loss)
+        strategy.bind_state(
+            lambda s=strategy: {"strategy": s.state_dict()},
+            lambda state, s=strategy: s.load_state_dict(state["strategy"]),
+        )
+        replicas.append(strategy)
+    replicas[1].resumed_at(7)  # what the loop does after it resumed from the checkpoint
+    try:
+        threads = [threading.Thread(target=r.manager.start_quorum) for r in replicas]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        for r in replicas:  # the resumed state on both, and its step
+            assert torch.equal(r.module.weight, torch.ones(2, 4)), r.ctx.rank
+            assert r.manager.current_step() == 7
+        assert replicas[0].healed_bytes > 0 and replicas[1].healed_bytes == 0
+        replicas[0].check_state_held()  # it found the job's state: nothing raised
+    finally:
+        for r in replicas:
+            r.manager.shutdown(wait=True)  # a worker's close does not wait: it exits next
+        lighthouse.shutdown()
+
+
+def test_a_restarted_replica_that_finds_no_state_fails_rather_than_train_afresh(tmp_path):
+    """Every replica that held the job's state was lost (across nodes no launcher knows):
+    the one restarted alone finds torchft's step at 0 while the job has a checkpoint. It
+    must not train the job again from its start over that checkpoint: it fails, naming the
+    checkpoint to continue from."""
+    import torch
+    from torchft.coordination import LighthouseServer
+
+    from scaletrain import env
+    from scaletrain.fault.checkpoint import save_checkpoint
+    from scaletrain.runtime import DistContext
+    from scaletrain.strategies.inplace import InplaceStrategy, StateLost
+
+    save_checkpoint(tmp_path / "checkpoints", 10, {"weights": torch.zeros(1)}, keep=2)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    os.environ[env.LIGHTHOUSE] = f"http://127.0.0.1:{lighthouse.address().rpartition(':')[2]}"
+    os.environ[env.ADDR] = "127.0.0.1"
+    cfg = with_overrides(RunConfig(), {"recovery": "inplace", "out": str(tmp_path)})
+    ctx = DistContext(rank=0, world_size=2, local_rank=0, local_world_size=2, restart_count=1,
+                      attempt=1, device=torch.device("cpu"), backend="gloo",
+                      mode="inplace")  # fmt: skip
+    strategy = InplaceStrategy(ctx, cfg)
+    model = torch.nn.Linear(4, 2)
+    strategy.setup(model, lambda p: torch.optim.SGD(p, lr=0.1), torch.nn.functional.mse_loss)
+    strategy.bind_state(lambda: {"strategy": strategy.state_dict()},
+                        lambda state: strategy.load_state_dict(state["strategy"]))  # fmt: skip
+    try:
+        strategy.manager.start_quorum()
+        with pytest.raises(StateLost, match="newest checkpoint is step 10"):
+            strategy.check_state_held()
+    finally:
+        strategy.manager.shutdown(wait=True)
+        lighthouse.shutdown()

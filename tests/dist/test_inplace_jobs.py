@@ -150,3 +150,37 @@ def test_every_replica_lost_at_once_continues_from_the_checkpoint_in_the_same_la
     deaths = [i for i in read_jsonl(out / "logs" / "incidents.jsonl") if i["kind"] == "inplace"]
     assert sorted(i["rank"] for i in deaths) == [0, 1]
     assert_no_orphans(out)
+
+
+def test_a_replica_lost_before_the_continued_job_commits_heals_from_a_resumed_peer(
+    tmp_path, inplace_uninterrupted
+):
+    """The job killed, the same command continues from step S; replica 0 is killed in step
+    S+1, before its first quorum (the peer does not wait for it: its death is recorded).
+    Restarted, it holds the fresh state of step 0; its peer holds the checkpoint's. The
+    quorum must rank the resumed peer above it (torchft's step counts from S, not 0): at
+    equal steps torchft copies the first replica id's state to the others, and replica 1
+    would have taken replica 0's fresh one and trained the job again from its start. (The
+    weights are not the uninterrupted run's: step S+1 was trained by replica 1 alone.)"""
+    out = tmp_path / "run"
+    proc = start(*JOB, "--inject", "slow:rank=0:factor=4", "--out", str(out))
+    wait_for_step(out, 12, proc)
+    kill_job(proc, out)
+    resumed = json.loads((out / "checkpoints" / "index.json").read_text())[-1]["step"]
+    result = run_cli("run", *JOB, "--max-restarts", "1",
+                     "--inject", f"kill:rank=0:step={resumed + 1}",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    got = summary(out)
+    resume, death = got["recoveries"]
+    assert resume["kind"] == "resume" and resume["step"] == resumed
+    assert death["kind"] == "inplace" and death["rank"] == 0
+    records = read_jsonl(out / "metrics.jsonl")
+    # Job run 1 went on from the checkpoint, on both replicas: none trained from step 0.
+    assert min(r["step"] for r in records if r["job_run"] == 1) == resumed + 1
+    healed = [r for r in records if r["job_run"] == 1 and r["rank"] == 0 and r["attempt"] > 0]
+    assert healed[0]["step"] > resumed and healed[0]["healed_bytes"] > 0
+    redone = [r for r in records if r["job_run"] == 0 and r["step"] > resumed]
+    assert_each_sample_once_per_epoch([r for r in records if r not in redone])
+    assert got["samples"] == 2 * DIGITS and got["replicas_agree"]
+    assert_no_orphans(out)

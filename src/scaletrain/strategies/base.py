@@ -220,6 +220,10 @@ class Strategy(StepEssentials, StrategyChecks, ABC):
         synchronization, so that every replica leaves with the state of the same one."""
         return True
 
+    def resumed_at(self, step: int) -> None:
+        """The loop began from the checkpoint of ``step`` (in place: where the quorum's step
+        count starts)."""
+
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned, on every rank."""

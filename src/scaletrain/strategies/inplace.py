@@ -68,6 +68,9 @@ from scaletrain.data.plans import (
     build_sampler,
     load_indices,
 )
+from scaletrain.fault.checkpoint import read_index
+from scaletrain.fault.jobs import job_runs_path
+from scaletrain.io import read_jsonl
 from scaletrain.net import bound_store, url_host
 from scaletrain.strategies.base import (
     Batch,
@@ -158,13 +161,39 @@ def wait_for_peers(run_dir: Path, job_run: int, rank: int, world: int, timeout_s
     whichever got there first. Just before: a quorum waits 5 s (JOIN_TIMEOUT_MS) for a live
     replica that has not asked yet, and on a loaded host the rest of a replica's start-up
     (the loop's set-up, a checkpoint to load) took longer than that: the first step ran
-    without it, and a --deterministic run no longer matched its twin."""
+    without it, and a --deterministic run no longer matched its twin. A replica that died
+    before it announced itself (its supervisor recorded the death) is not waited for: a
+    restarted replica does not announce itself, it joins a later quorum and heals."""
     ready = run_dir / "logs" / "ready" / f"job{job_run}"
     ready.mkdir(parents=True, exist_ok=True)
     (ready / f"replica{rank}").touch()
     deadline = time.monotonic() + timeout_s
-    while len(list(ready.iterdir())) < world and time.monotonic() < deadline:
+    looked = 0.0
+    lost: set[str] = set()
+    while time.monotonic() < deadline:
+        if time.monotonic() - looked > 0.5:
+            looked = time.monotonic()
+            lost = {f"replica{r}" for r in lost_in_job_run(run_dir, job_run)}
+        if len({path.name for path in ready.iterdir()} | lost) >= world:
+            return
         time.sleep(0.05)
+
+
+def lost_in_job_run(run_dir: Path, job_run: int) -> set[int]:
+    """The replicas whose death a supervisor recorded since job run ``job_run`` started."""
+    started = [j["started_at"] for j in read_jsonl(job_runs_path(run_dir))
+               if j.get("job_run") == job_run and "started_at" in j]  # fmt: skip
+    since = started[-1] if started else 0.0
+    return {
+        int(i["rank"])
+        for i in read_jsonl(run_dir / "logs" / "incidents.jsonl")
+        if i.get("kind") == "inplace" and i.get("died_at", 0.0) >= since
+    }
+
+
+class StateLost(RuntimeError):
+    """A replica restarted during a job run found no live peer with the job's state
+    (InplaceStrategy.check_state_held)."""
 
 
 class InplaceStrategy(Strategy):
@@ -211,6 +240,7 @@ class InplaceStrategy(Strategy):
             )
         self.run_dir = Path(cfg.out)
         self.peers_pending = ctx.attempt == 0  # QuorumPlan.next_step waits for them once
+        self.state_checked = False  # check_state_held, after the first quorum
 
     def build_plan(self, dataset: Any) -> BatchPlan:
         self.plan = QuorumPlan(self, dataset)
@@ -239,6 +269,39 @@ class InplaceStrategy(Strategy):
 
     def after_heal(self, state: dict[str, Any]) -> None:
         """After the quorum loaded a peer's ``state`` into this replica (nothing more here)."""
+
+    def resumed_at(self, step: int) -> None:
+        """This replica began its job run from the checkpoint of ``step``: torchft's step
+        counter starts there, not at 0, so that the quorum ranks it above a replica
+        restarted afresh. At equal steps torchft takes the first replica id as the source
+        (at step 0 it even copies that one's state to the others): a replica restarted
+        before the job run's first commit would have handed its fresh state to the peers
+        that had resumed."""
+        self.manager.load_state_dict(
+            {"step": step, "batches_committed": self.manager.batches_committed()}
+        )
+
+    def check_state_held(self) -> None:
+        """After this replica's first quorum: a replica restarted during the job run must
+        have found a peer holding the job's state (the quorum's step is above 0 once anyone
+        resumed from a checkpoint or committed a step). When none did, every replica that
+        held it was lost (on one node the launcher begins the job run again; across nodes
+        it cannot know): training on from a fresh state would train the job again from its
+        start and write checkpoints over the ones it has, so this replica fails instead,
+        and the same command continues from the newest checkpoint."""
+        if self.state_checked:
+            return
+        self.state_checked = True
+        if self.ctx.attempt == 0 or self.manager.current_step() > 0:
+            return
+        index = read_index(self.run_dir / "checkpoints")
+        if index:
+            raise StateLost(
+                f"replica {self.ctx.rank} restarted and found no live replica holding the "
+                f"job's state: every one that held it was lost. The newest checkpoint is "
+                f"step {index[-1]['step']}; run the same command (--out {self.run_dir}) to "
+                "continue from it"
+            )
 
     def heal_extras(self) -> dict[str, Any]:
         """For the record of the step a heal came before: the bytes copied and the copy's
@@ -491,6 +554,7 @@ class QuorumPlan(SampledPlan):
         quorum_s = time.perf_counter() - t0
         if self._run_ended():
             raise RunEnded("the other replicas finished the run while this one healed")
+        self.strategy.check_state_held()
         if self._max_steps_reached(progress):  # healed into a finished run
             return None
         n, rank = self.strategy.membership()

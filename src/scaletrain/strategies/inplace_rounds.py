@@ -366,6 +366,7 @@ class RoundPlan(QuorumPlan):
             quorum_s += time.perf_counter() - t0
             if self._run_ended():
                 raise RunEnded("the other replicas finished the run while this one healed")
+            strategy.check_state_held()
             if self.deal_on_heal:  # healed: the round the peers are finishing, dealt as
                 self.deal_on_heal = False  # they did (not as one of its members)
                 self._deal(progress, member=False)
