@@ -59,6 +59,9 @@ class NoCheckpoints:
     def settle(self) -> None:
         return None
 
+    def resumed_from(self, step: int) -> None:
+        """The loop began from the checkpoint of ``step``."""
+
 
 class Checkpointing(NoCheckpoints):
     """Saves after every N-th applied step, or at the interval auto chose, and when asked
@@ -147,6 +150,12 @@ class Checkpointing(NoCheckpoints):
             out["predicted_overhead"] = predicted_overhead(cost_s, interval_s, self.mtbf_s)
             out["optimal_interval_s"] = optimal_interval_s(cost_s, self.mtbf_s)
         return out
+
+    def resumed_from(self, step: int) -> None:
+        """That checkpoint is on disk: a save of the same step (the final one, when the job
+        had nothing left to train) is not due, and in place could not be made (no quorum
+        formed to say which replica writes it)."""
+        self.saved_step = step
 
     def save(self, *, background: bool = False, periodic: bool = False) -> float:
         """Save the state after the current step (every rank calls it); the seconds blocked.

@@ -117,6 +117,8 @@ class Trainer:
         resumed = self.world.resume(self)
         self.progress = resumed or self.progress
         self.resuming = resumed is not None
+        if resumed is not None:
+            self.checkpoints.resumed_from(resumed.step)
         self.watchdog.start()
         log.info(
             "training to step %d on %s with %s, world size %d",

@@ -184,3 +184,33 @@ def test_a_replica_lost_before_the_continued_job_commits_heals_from_a_resumed_pe
     assert_each_sample_once_per_epoch([r for r in records if r not in redone])
     assert got["samples"] == 2 * DIGITS and got["replicas_agree"]
     assert_no_orphans(out)
+
+
+def test_a_job_killed_after_its_last_checkpoint_finishes_without_training(tmp_path):
+    """The job was lost after the checkpoint of its last step and before its summary (the
+    state such a kill leaves: the job run not ended, no summary, no final reports). The
+    same command has nothing left to train: it forms no quorum, writes no checkpoint again,
+    evaluates and writes the summary of the weights the checkpoint holds."""
+    job = ["--recovery", "inplace", "--nproc-per-node", "2", "--epochs", "1", "--num-samples",
+           "256", "--batch-size", "16", "--checkpoint-every", "8", "--seed", "4",
+           "--num-threads", "1"]  # fmt: skip
+    out = tmp_path / "run"
+    result = run_cli("run", *job, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    done = summary(out)
+    assert done["steps"] == 8 and [e["step"] for e in read_jsonl(out / "metrics.jsonl")][-1] == 8
+    runs = job_runs_path(out)
+    runs.write_text(runs.read_text().splitlines()[0] + "\n")  # "finished" never written
+    (out / "summary.json").unlink()
+    for final in (out / "logs" / "final").iterdir():
+        final.unlink()
+    result = run_cli("run", *job, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    got = summary(out)
+    assert got["params_sha256"] == done["params_sha256"]
+    assert got["test_accuracy"] == done["test_accuracy"] and got["replicas_agree"]
+    [resume] = got["recoveries"]
+    assert resume["kind"] == "resume" and resume["step"] == 8 and resume["lost_steps"] == 0
+    index = json.loads((out / "checkpoints" / "index.json").read_text())
+    assert [e["step"] for e in index] == [8]
+    assert_no_orphans(out)

@@ -333,7 +333,11 @@ class InplaceStrategy(Strategy):
         return n, rank
 
     def eval_part(self) -> tuple[int, int]:
-        """The last quorum's split: its participants hold the same weights."""
+        """The last quorum's split: its participants hold the same weights. A job run that
+        had nothing left to train (it resumed from the checkpoint of the last step) formed
+        no quorum: every replica loaded that checkpoint, and each takes its own rank."""
+        if self.quorum_id() < 0:  # torchft formed none yet
+            return self.ctx.rank, self.ctx.world_size
         n, rank = self.membership()
         return rank, n
 
