@@ -15,3 +15,14 @@ def test_the_probes_measure_the_cpu_of_collectives_and_of_parameter_server_round
     [(world, servers, exchange, per_push, slowdown)] = probe_ps(0.002, [(3, 1)])
     assert (world, servers) == (3, 1)
     assert 0 < exchange < 1 and 0 < per_push < 1 and slowdown > 0
+
+
+def test_a_probe_that_fails_says_which_rank_and_why():
+    """The probe's processes are forked (as the workers are); one that raises exits 1 and
+    its traceback is the error's text, none is left behind."""
+    import pytest
+
+    from scaletrain.analysis.probe import _local
+
+    with pytest.raises(RuntimeError, match=r"(?s)rank 0 exited 1: .*ValueError"):
+        _local(1, ("not-a-size",))

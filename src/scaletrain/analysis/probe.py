@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 SIZES = (4_096, 65_536, 1_048_576, 8_388_608)
@@ -282,18 +283,65 @@ def _collect(procs: list[subprocess.Popen[str]]) -> dict[int, float]:
     return {int(k): v for k, v in _output(procs).items()}
 
 
-def _local(world: int, args: tuple[Any, ...]) -> list[subprocess.Popen[str]]:
+def _forked_rank(rank: int, world: int, endpoint: str, args: tuple[Any, ...], out: str) -> None:
+    """A probe process forked by the fork server, as scaletrain's workers are: in a session
+    of its own, its output (rank 0's JSON line, any rank's error) to the file ``out``."""
+    if os.getsid(0) != os.getpid():
+        os.setsid()
+    os.environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    with open(out, "w") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (the process's own stdout)
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    try:
+        _main([str(rank), str(world), endpoint, *map(str, args)])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _local(world: int, args: tuple[Any, ...]) -> dict[str, float]:
+    """Rank 0's result of the probe ``args`` over ``world`` processes on this host, forked
+    from the fork server as the workers whose steps the probe stands for are: processes
+    started afresh (torch imported in each) spent up to 2x the CPU on the same host work at
+    16 and 32 processes on 2 cores, where the forked workers spent what one alone did."""
+    import tempfile
+
     from scaletrain.launch import free_port
+    from scaletrain.launch.forkserver import ForkedProcess
 
     endpoint = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    return [subprocess.Popen(_command(r, world, endpoint, args), env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            for r in range(world)]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="scaletrain-probe-") as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.out") for r in range(world)]
+        procs = [ForkedProcess(_forked_rank, r, world, endpoint, args, outs[r])
+                 for r in range(world)]  # fmt: skip
+        try:
+            deadline = time.monotonic() + 300
+            for proc in procs:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()  # none left behind by a timeout
+                    proc.wait()
+        texts = [Path(path).read_text() if os.path.exists(path) else "" for path in outs]
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
+    if failed:
+        rank, code = failed[0]
+        raise RuntimeError(f"probe failed: rank {rank} exited {code}: {texts[rank][-2000:]}")
+    lines = [line for line in texts[0].splitlines() if line.startswith("{")]
+    result: dict[str, float] = json.loads(lines[-1])
+    return result
 
 
 def probe_local(world: int = 2, sizes: tuple[int, ...] = SIZES) -> dict[int, float]:
-    return _collect(_local(world, sizes))
+    return {int(k): v for k, v in _local(world, sizes).items()}
 
 
 def probe_host(sleep_s: float, worlds: list[int], pieces: int = 1) -> tuple[Any, ...]:
@@ -306,12 +354,12 @@ def probe_host(sleep_s: float, worlds: list[int], pieces: int = 1) -> tuple[Any,
     from scaletrain.analysis.costmodel import HostProbe
 
     # One process alone, three times (its figure varies by a third from one start to the next).
-    alones = [_output(_local(1, ("cpu", sleep_s, pieces))) for _ in range(3)]
+    alones = [_local(1, ("cpu", sleep_s, pieces)) for _ in range(3)]
     work, free_cpu, free_step = (statistics.median(a[k] for a in alones)
                                  for k in ("work_s", "free_cpu_s", "free_step_s"))  # fmt: skip
     out = []
     for world in worlds:
-        probed = _output(_local(world, ("cpu", sleep_s, pieces)))
+        probed = _local(world, ("cpu", sleep_s, pieces))
         out.append(HostProbe(world, probed["cpu_s"], probed["work_s"] / work,
                              probed["free_cpu_s"] / free_cpu,
                              max(0.0, probed["free_step_s"] - free_step)))  # fmt: skip
@@ -325,10 +373,10 @@ def probe_ps(
     rounds on this host (``measure_ps``): (W, K, the CPU a worker spends in a round's
     exchange, the CPU a server spends per push, the workers' host work over the same work's
     in one process alone): the cost model's ``Calibration.ps_host``."""
-    alone = statistics.median(_output(_local(1, ("cpu", sleep_s)))["work_s"] for _ in range(3))
+    alone = statistics.median(_local(1, ("cpu", sleep_s))["work_s"] for _ in range(3))
     out = []
     for world, servers in worlds:
-        probed = _output(_local(world, ("ps", sleep_s, servers)))
+        probed = _local(world, ("ps", sleep_s, servers))
         out.append((world, servers, probed["cpu_s"], probed["server_cpu_s"],
                     probed["work_s"] / alone))  # fmt: skip
     return tuple(out)
@@ -346,13 +394,16 @@ def probe_lab(lab: Any, sizes: tuple[int, ...] = SIZES, port: int = 29600) -> di
     return _collect(procs)
 
 
-if __name__ == "__main__":
-    if sys.argv[4:5] == ["ps"]:
-        measure_ps(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[5]),
-                   int(sys.argv[6]))  # fmt: skip
-    elif sys.argv[4:5] == ["cpu"]:
-        measure_cpu(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[5]),
-                    int(sys.argv[6]) if sys.argv[6:] else 1)  # fmt: skip
+def _main(argv: list[str]) -> None:
+    """RANK WORLD HOST:PORT, then the probe's arguments (the module's docstring)."""
+    rank, world, endpoint, rest = int(argv[0]), int(argv[1]), argv[2], argv[3:]
+    if rest[:1] == ["ps"]:
+        measure_ps(rank, world, endpoint, float(rest[1]), int(rest[2]))
+    elif rest[:1] == ["cpu"]:
+        measure_cpu(rank, world, endpoint, float(rest[1]), int(rest[2]) if rest[2:] else 1)
     else:
-        measure(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
-                [int(s) for s in sys.argv[4:]] or list(SIZES))  # fmt: skip
+        measure(rank, world, endpoint, [int(s) for s in rest] or list(SIZES))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
