@@ -35,9 +35,33 @@ def interface_of(addr: str) -> str | None:
     return None
 
 
-def listen_socket(addr: str, port: int) -> socket.socket:
+# The port reserved_port handed out last, held bound until the next call.
+_RESERVED: list[socket.socket] = []
+
+
+def reserved_port() -> int:
+    """A free port that no other process can take until the next call: a socket bound to it
+    on every IPv4 address, never listening, kept open. torch's agent picks the port of the
+    workers' store (MASTER_PORT) by binding port 0 and closing the socket, and rank 0 binds
+    it moments later: in between another process can take it (a make test run lost a job
+    to that: rank 0 "Address already in use", rank 1 connected to whatever listened
+    there). The kernel hands out neither for bind(0) nor for an outgoing connection a port
+    that a socket is bound to; rank 0 binds it beside this one with SO_REUSEPORT
+    (worker_store), which only processes of this user may do."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    held.bind(("0.0.0.0", 0))
+    while _RESERVED:  # the last one's store is gone: its workers were stopped
+        _RESERVED.pop().close()
+    _RESERVED.append(held)
+    return int(held.getsockname()[1])
+
+
+def listen_socket(addr: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket on ``addr``:``port`` (IPv4 or IPv6 by the address), or a
-    ValueError that names --bind."""
+    ValueError that names --bind. ``reuse_port``: the port is one reserved_port holds."""
     try:
         infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -45,6 +69,8 @@ def listen_socket(addr: str, port: int) -> socket.socket:
     family, _, _, _, sockaddr = infos[0]
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port and hasattr(socket, "SO_REUSEPORT"):
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         listener.bind(sockaddr)
     except OSError as e:
@@ -58,14 +84,14 @@ def listen_socket(addr: str, port: int) -> socket.socket:
 
 
 def bound_store(
-    addr: str, port: int, timeout_s: float, *, multi_tenant: bool = False
+    addr: str, port: int, timeout_s: float, *, multi_tenant: bool = False, reuse_port: bool = False
 ) -> tuple[Any, socket.socket]:
     """A TCPStore server listening on ``addr`` alone. torch's TCPStore listens on every
     interface whatever host it is given; handed a bound socket it listens there. Keep the
     socket referenced as long as the store."""
     import torch.distributed as dist
 
-    listener = listen_socket(addr, port)
+    listener = listen_socket(addr, port, reuse_port=reuse_port)
     store = dist.TCPStore(
         addr, listener.getsockname()[1], is_master=True, wait_for_workers=False,
         multi_tenant=multi_tenant, timeout=datetime.timedelta(seconds=timeout_s),

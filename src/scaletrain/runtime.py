@@ -108,7 +108,9 @@ def worker_store(timeout_s: float) -> dist.Store:
     timeout = datetime.timedelta(seconds=timeout_s)
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if rank == 0 and not agent_hosts:
-        store, listener = bound_store(os.environ.get(env.BIND) or addr, port, timeout_s)
+        # The agent holds the port for it (net.reserved_port).
+        store, listener = bound_store(os.environ.get(env.BIND) or addr, port, timeout_s,
+                                      reuse_port=True)  # fmt: skip
         _STORE_LISTENERS.append(listener)
         return store
     return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)

@@ -48,3 +48,30 @@ _guarded(Stuck(), _CallTimer("10.0.0.1:29500", limit_s=1.0)).get_state()
     # The call sleeps 60 s and the run may take 30: this exit code means the timer ended it.
     assert result.returncode == UNREACHABLE_EXIT_CODE
     assert "node 0's rendezvous store at 10.0.0.1:29500 has not answered" in result.stderr
+
+
+def test_the_workers_store_port_is_held_until_rank_0_listens_on_it():
+    """torch's agent picks MASTER_PORT with the function register() puts in its place: the
+    port stays bound (no other bind, and no outgoing connection, gets it) until the next
+    pick, and rank 0's store listens on it beside that socket; a plain bind is refused."""
+    import datetime
+    import errno
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import api
+
+    from scaletrain.launch import rendezvous
+    from scaletrain.net import bound_store
+
+    rendezvous.register()
+    port = api.get_free_port()
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with other, pytest.raises(OSError) as refused:
+        other.bind(("127.0.0.1", port))
+    assert refused.value.errno == errno.EADDRINUSE
+    store, _listener = bound_store("127.0.0.1", port, 10.0, reuse_port=True)  # the store owns it
+    client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                           timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    client.set("k", "v")
+    assert store.get("k") == b"v"

@@ -161,7 +161,12 @@ def release() -> None:
 
 
 def register() -> None:
-    """Make ``rdzv_backend="scaletrain"`` known to the agent (in this process)."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    """Make ``rdzv_backend="scaletrain"`` known to the agent (in this process), and the
+    port it picks for the workers' store one that nobody else can take meanwhile."""
+    from torch.distributed.elastic.rendezvous import api, rendezvous_handler_registry
+
+    from scaletrain.net import reserved_port
 
     rendezvous_handler_registry.register(BACKEND_NAME, _create_handler)  # idempotent
+    # The workers' store port (MASTER_PORT), held until rank 0 listens on it.
+    api.get_free_port = reserved_port
