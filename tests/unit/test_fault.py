@@ -386,3 +386,18 @@ def test_a_one_shot_fault_fires_once_per_job(tmp_path):
         inject._FIRED_IN.clear()
     assert inject.first_time("kill", 1, 14, attempt=0)
     assert not inject.first_time("kill", 1, 14, attempt=1)
+
+
+def test_a_self_watchdog_has_beaten_when_it_has_started(tmp_path):
+    """A supervisor ends a process whose heartbeat file stopped moving, once it has beaten:
+    the first beat is start()'s own, so a process frozen right after start() (before its
+    thread's first turn) is not taken for one still starting."""
+    from scaletrain.fault.watchdog import SelfWatchdog
+
+    beat = tmp_path / "beats" / "rank4"
+    watchdog = SelfWatchdog(rank=4, timeout_s=60.0, beat_path=beat)
+    watchdog.start()
+    try:
+        assert beat.exists()
+    finally:
+        watchdog.stop()

@@ -179,7 +179,13 @@ class SelfWatchdog(NullWatchdog):
         self._beat = Beat(step, phase, collective, time.time())
 
     def start(self) -> SelfWatchdog:
+        """Starts the thread; the first beat is now, before the caller goes on: a process
+        frozen before the thread's first beat would never count as having beaten, and its
+        supervisor would take it for one still starting (a parameter server frozen 0.3 s
+        after it began to serve was never ended)."""
         self.enter(0, "starting")  # the clock starts with the loop, not with the set-up
+        if self.beat_path is not None:
+            touch(self.beat_path)
         self._thread.start()
         return self
 
@@ -189,7 +195,8 @@ class SelfWatchdog(NullWatchdog):
 
     def _loop(self) -> None:
         interval = BEAT_INTERVAL_S / 4
-        checked, grace_until, touched = time.monotonic(), 0.0, 0.0
+        checked = touched = time.monotonic()  # start() beat
+        grace_until = 0.0
         while not self._stop.wait(interval):
             now = time.monotonic()
             if self.beat_path is not None and now - touched >= BEAT_INTERVAL_S:

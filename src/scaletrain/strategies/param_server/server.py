@@ -215,9 +215,11 @@ class ShardServer:
 
     # -- serving -------------------------------------------------------------------------
     def serve(self) -> None:
+        # Its first heartbeat before any worker can reach it (the launcher ends a server
+        # whose heartbeat stopped, once it has beaten).
+        self.watchdog.start().enter(self.version, SelfWatchdog.IDLE)
         acceptor = threading.Thread(target=self._accept, name="acceptor", daemon=True)
         acceptor.start()
-        self.watchdog.start().enter(self.version, SelfWatchdog.IDLE)
         self.store.set(f"ps/server{self.index}/incarnation", str(self.attempt))
         log.info("server %d serving %d parameters (attempt %d)",
                  self.index, self.param.numel(), self.attempt)  # fmt: skip
