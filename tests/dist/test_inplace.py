@@ -170,7 +170,7 @@ def test_inplace_refuses_what_it_cannot_do():
             describe_plan(with_overrides(RunConfig(), {**base, **overrides}))
 
 
-def test_a_resumed_replica_outranks_one_restarted_afresh_in_their_first_quorum(tmp_path):
+def _outranks(tmp_path):
     """Two replicas of a job run that continues from the checkpoint of step 7: replica 1
     resumed from it; replica 0 was restarted before the first commit and holds the fresh
     state. In their first quorum (real torchft: a lighthouse and two managers) replica 0
@@ -223,7 +223,7 @@ def test_a_resumed_replica_outranks_one_restarted_afresh_in_their_first_quorum(t
         lighthouse.shutdown()
 
 
-def test_a_restarted_replica_that_finds_no_state_fails_rather_than_train_afresh(tmp_path):
+def _finds_no_state(tmp_path):
     """Every replica that held the job's state was lost (across nodes no launcher knows):
     the one restarted alone finds torchft's step at 0 while the job has a checkpoint. It
     must not train the job again from its start over that checkpoint: it fails, naming the
@@ -256,3 +256,27 @@ def test_a_restarted_replica_that_finds_no_state_fails_rather_than_train_afresh(
     finally:
         strategy.manager.shutdown(wait=True)
         lighthouse.shutdown()
+
+
+def _in_a_process_of_its_own(name: str, tmp_path) -> None:
+    """torchft's managers and lighthouse run in a process of their own, which leaves at once
+    when the checks passed: their threads at an interpreter's exit once took a whole pytest
+    worker down."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = (f"import os, sys; from pathlib import Path; from tests.dist.test_inplace import "
+            f"{name}; {name}(Path(sys.argv[1])); sys.stdout.flush(); os._exit(0)")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_a_resumed_replica_outranks_one_restarted_afresh_in_their_first_quorum(tmp_path):
+    _in_a_process_of_its_own("_outranks", tmp_path)
+
+
+def test_a_restarted_replica_that_finds_no_state_fails_rather_than_train_afresh(tmp_path):
+    _in_a_process_of_its_own("_finds_no_state", tmp_path)
