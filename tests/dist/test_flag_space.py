@@ -78,6 +78,9 @@ FIXED = [
     # An fp16 overflow left inf in PowerSGD's memory: every later step overflowed too.
     fixed("--strategy ddp --nproc-per-node 2 --model cnn --precision fp16-mixed "
           "--compression powersgd:rank=2", crash=False),
+    # The recipe's lr 0.1 on one replica's 8 samples a step diverged for this seed (0.19).
+    fixed("--strategy ddp --nproc-per-node 1 --model cnn --seed 13 --checkpoint-async",
+          crash=False),
 ]  # fmt: skip
 CASES = FIXED + accepted_draws(SEED, DRAWS)
 
