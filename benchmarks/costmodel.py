@@ -5,8 +5,9 @@ and a few all-reduce probes, predicts the step time of configurations it was not
 Job: a 4.2M-parameter MLP (16.8 MB of fp32 gradients) on synthetic 32x32 images, batch 64 per
 worker, one thread per worker. Calibration: a 1-worker run (compute per step, model size), 2
 co-located workers that never synchronize (local_sgd with H beyond the run: what sharing the
-host costs compute), and gloo all-reduce probes between 2 processes on loopback and across
-the network-namespace lab at 100 Mbit/s (latency and bandwidth, fitted). Then each
+host costs compute), gloo all-reduce probes between 2 processes on loopback and across
+the network-namespace lab at 100 Mbit/s (latency and bandwidth, fitted), and the CPU that
+an all-reduce of the gradients costs each of 4 processes on the 2 cores. Then each
 configuration runs for real, and its measured step (rank 0's mean over the steps after a
 warm-up, whole local_sgd periods) is set beside the prediction. The 4-worker row runs 4
 workers on this machine's 2 cores: the model is told (cores=2) and predicts the slowdown.
@@ -14,7 +15,8 @@ workers on this machine's 2 cores: the model is told (cores=2) and predicts the 
     python benchmarks/costmodel.py [--repeats 3] [--record tests/data/costmodel_recorded.json]
 
 Every calibration (1-worker run, co-located pair, link probes) is repeated --repeats times
-and the model takes the medians; each configuration is measured --repeats times (median).
+and the model takes the medians; each configuration is measured --repeats times (median),
+each repeat running everything once, so that calibrations and measurements see the same host.
 The table also shows the interval of predictions that the single calibrations give, which
 says how far one noisy calibration (what this benchmark used to take) could be off.
 
@@ -41,7 +43,7 @@ sys.path.insert(0, str(REPO / "src"))
 from floors import Floors  # noqa: E402
 
 from scaletrain.analysis import costmodel  # noqa: E402
-from scaletrain.analysis.probe import probe_lab, probe_local  # noqa: E402
+from scaletrain.analysis.probe import probe_bytes_cpu, probe_lab, probe_local  # noqa: E402
 from scaletrain.netns import NetworkLab, unavailable_reason  # noqa: E402
 
 FLOORS = Floors()
@@ -94,19 +96,24 @@ def link(network: str, workers: int = 2) -> tuple[float, float]:
     return costmodel.fit_link(list(times), list(times.values()), workers)
 
 
-def calibrate(tmp: Path, repeats: int) -> list[dict[str, float]]:
-    """One calibration per repeat: a 1-worker run (compute per step, model size) and 2
-    co-located workers that never synchronize (what sharing the host costs compute)."""
-    out = []
-    for i in range(repeats):
-        cal = costmodel.calibrate_run(run_local(1, [], 24, tmp / f"single{i}"))
-        apart = run_local(2, ["--strategy", "local_sgd", "--sync-every", "1000"], 16,
-                          tmp / f"apart{i}")  # fmt: skip
-        cal["colocated_slowdown"] = costmodel.calibrate_run(apart)["compute_s"] / cal["compute_s"]
-        out.append(cal)
-        print(f"  calibration {i}: {cal['compute_s'] * 1e3:.1f} ms per step, co-located "
-              f"{cal['colocated_slowdown']:.2f}x", flush=True)  # fmt: skip
-    return out
+def calibrate(tmp: Path, rep: int) -> dict[str, float]:
+    """One calibration: a 1-worker run (compute per step, model size), and what sharing the
+    host costs compute: 2 co-located workers that never synchronize over 1 worker of the
+    same kind alone. Like with like: the 1-worker ddp run's step holds DDP's own work on the
+    gradients (1-2 ms here), which local SGD's steps do not, and dividing local SGD's by it
+    read a co-located worker as 0.81-0.95x, faster than one alone."""
+    cal = costmodel.calibrate_run(run_local(1, [], 24, tmp / f"single{rep}"))
+    never = ["--strategy", "local_sgd", "--sync-every", "1000"]
+    alone = costmodel.calibrate_run(run_local(1, never, 32, tmp / f"alone{rep}"))
+    apart = costmodel.calibrate_run(run_local(2, never, 32, tmp / f"apart{rep}"))
+    cal["colocated_slowdown"] = apart["compute_s"] / alone["compute_s"]
+    # More processes than cores, as the 4-worker row has: what its ring costs the cores.
+    cores = os.cpu_count() or 1
+    cal["collective_cpu_per_byte"] = probe_bytes_cpu(2 * cores, int(cal["grad_bytes"]))
+    print(f"  calibration {rep}: {cal['compute_s'] * 1e3:.1f} ms per step, co-located "
+          f"{cal['colocated_slowdown']:.2f}x, all-reduce CPU "
+          f"{cal['collective_cpu_per_byte'] * 1e12:.0f} us per MB sent", flush=True)  # fmt: skip
+    return cal
 
 
 def median_of(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -120,6 +127,7 @@ def predict(
         compute_s=calibration["compute_s"], batch_size=int(calibration["batch_size"]),
         grad_bytes=int(calibration["grad_bytes"]), latency_s=link_[0], bandwidth_Bps=link_[1],
         cores=os.cpu_count() or 1, colocated_slowdown=calibration["colocated_slowdown"],
+        collective_cpu_per_byte=calibration.get("collective_cpu_per_byte", 0.0),
     )  # fmt: skip
     return costmodel.predict_method(cal, row["method"], row["workers"]).step_s
 
@@ -135,32 +143,38 @@ def main() -> None:
     networks = ["loopback"] + ([] if unavailable_reason() else ["100mbit"])
     if unavailable_reason():
         print(f"100mbit rows skipped: {unavailable_reason()}")
+    configs = [c for c in CONFIGS if c["network"] in networks]
+    calibrations: list[dict[str, float]] = []
+    probes: dict[str, list[tuple[float, float]]] = {net: [] for net in networks}
+    measured: list[list[float]] = [[] for _ in configs]
     with tempfile.TemporaryDirectory() as tmp:
-        calibrations = calibrate(Path(tmp), args.repeats)
-        calibration = median_of(calibrations)
-        probes = {net: [link(net) for _ in range(args.repeats)] for net in networks}
-        links = {net: (statistics.median(lat for lat, _ in fits),
-                       statistics.median(bw for _, bw in fits))
-                 for net, fits in probes.items()}  # fmt: skip
-        print(f"calibration (median of {args.repeats}): {calibration['compute_s'] * 1e3:.1f} ms "
-              f"per step without communication, {calibration['grad_bytes'] / 1e6:.1f} MB of "
-              f"gradients, co-located {calibration['colocated_slowdown']:.2f}x slower")  # fmt: skip
-        for net, (lat, bw) in links.items():
-            print(f"link {net}: latency {lat * 1e6:.0f} us, bandwidth {bw * 8 / 1e6:,.0f} Mbit/s")
-        rows = []
-        for i, config in enumerate(c for c in CONFIGS if c["network"] in networks):
-            steps = WARMUP + (16 if config["network"] == "loopback" else 8)
-            measured = []
-            for rep in range(args.repeats):
+        # Repeat by repeat, everything once: a calibration, the links' probes, each
+        # configuration. This host drifts by tens of percent over minutes; calibrating
+        # first and measuring after compared two different hosts.
+        for rep in range(args.repeats):
+            calibrations.append(calibrate(Path(tmp), rep))
+            for net in networks:
+                probes[net].append(link(net))
+            for i, config in enumerate(configs):
+                steps = WARMUP + (16 if config["network"] == "loopback" else 8)
                 out = Path(tmp) / f"run{i}-{rep}"
                 if config["network"] == "loopback":
                     run_dir = run_local(config["workers"], config["flags"], steps, out)
                 else:
                     run_dir = run_shaped(config["network"], config["workers"], config["flags"],
                                          steps, out)  # fmt: skip
-                measured.append(measured_step(run_dir))
-            rows.append({**config, "measured_step_s": statistics.median(measured),
-                         "measured_all": measured})  # fmt: skip
+                measured[i].append(measured_step(run_dir))
+    calibration = median_of(calibrations)
+    links = {net: (statistics.median(lat for lat, _ in fits),
+                   statistics.median(bw for _, bw in fits))
+             for net, fits in probes.items()}  # fmt: skip
+    print(f"calibration (median of {args.repeats}): {calibration['compute_s'] * 1e3:.1f} ms "
+          f"per step without communication, {calibration['grad_bytes'] / 1e6:.1f} MB of "
+          f"gradients, co-located {calibration['colocated_slowdown']:.2f}x slower")  # fmt: skip
+    for net, (lat, bw) in links.items():
+        print(f"link {net}: latency {lat * 1e6:.0f} us, bandwidth {bw * 8 / 1e6:,.0f} Mbit/s")
+    rows = [{**config, "measured_step_s": statistics.median(times), "measured_all": times}
+            for config, times in zip(configs, measured, strict=True)]  # fmt: skip
     # The point prediction uses the median calibration; the interval, every single one (and
     # every probe of the link): how far one noisy calibration alone could have been off.
     print(f"\n{'network':<9} {'W':>2} {'method':<12} {'predicted ms':>12} {'interval ms':>13} "

@@ -72,6 +72,22 @@ def test_shared_host_slows_compute():
     assert costmodel.compute_s(shared, 4) == pytest.approx(0.24)  # 4 workers on 2 cores
 
 
+def test_a_ring_on_cores_that_compute_needs_too_by_hand():
+    """4 workers on 2 cores, an all-reduce costing each 1 ns of CPU per byte it sends: each
+    core runs two workers' compute (100 ms each) and their rings' CPU (1.5 x 100 MB at 1 ns:
+    150 ms each), longer than the compute's share plus the ring's wall time with a core to
+    itself. With a core per worker, or no probe of that CPU, nothing changes."""
+    c = cal(cores=2, collective_cpu_per_byte=1e-9)
+    assert predict_method(c, "ddp", 4).step_s == pytest.approx(2 * (0.1 + 0.15))
+    ring = 6 * 1e-4 + 1.5 * 100_000_000 / 1e9
+    assert predict_method(c, "local_sgd:5", 4).step_s == pytest.approx(
+        max(0.2 + ring / 5, 2 * (0.1 + 0.15 / 5))
+    )
+    wall = 2 * 1e-4 + 100_000_000 / 1e9
+    assert predict_method(c, "ddp", 2).step_s == pytest.approx(0.1 + wall)
+    assert predict_method(cal(cores=2), "ddp", 4).step_s == pytest.approx(0.2 + ring)
+
+
 def test_many_processes_on_few_cores_by_hand():
     """Devices that compute, 2 cores that run 8 processes' loops: the host's CPU, probed at 8
     processes (an all-reduce costs one of them 10 ms of CPU; its other host work runs 1.5x
@@ -136,8 +152,9 @@ def test_fit_link_recovers_latency_and_bandwidth():
 
 def test_predictions_within_20_percent_of_recorded_measurements():
     """benchmarks/costmodel.py calibrated the model from a 1-worker run, 2 workers that never
-    synchronize and all-reduce probes, then measured these configurations for real (2-core
-    machine, loopback and a 100 Mbit/s tc-shaped link)."""
+    synchronize (against 1 alone), all-reduce probes and the CPU of an all-reduce of the
+    gradients among 4 processes on the 2 cores, then measured these configurations for real
+    (2-core machine, loopback and a 100 Mbit/s tc-shaped link)."""
     record = json.loads(RECORDED.read_text())
     c = record["calibration"]
     assert len(record["measured"]) >= 5
@@ -147,6 +164,7 @@ def test_predictions_within_20_percent_of_recorded_measurements():
             compute_s=c["compute_s"], batch_size=c["batch_size"], grad_bytes=c["grad_bytes"],
             latency_s=latency, bandwidth_Bps=bandwidth, cores=record["cores"],
             colocated_slowdown=c["colocated_slowdown"],
+            collective_cpu_per_byte=c.get("collective_cpu_per_byte", 0.0),
         )  # fmt: skip
         predicted = predict_method(model, row["method"], row["workers"]).step_s
         assert predicted / row["measured_step_s"] == pytest.approx(1, abs=0.2), row
@@ -170,6 +188,7 @@ def test_the_co_location_term_brings_every_shared_host_row_closer():
                 compute_s=c["compute_s"], batch_size=c["batch_size"],
                 grad_bytes=c["grad_bytes"], latency_s=latency, bandwidth_Bps=bandwidth,
                 cores=record["cores"], colocated_slowdown=slowdown,
+                collective_cpu_per_byte=c.get("collective_cpu_per_byte", 0.0),
             )  # fmt: skip
             predicted = predict_method(model, row["method"], row["workers"]).step_s
             errors.append(abs(predicted / row["measured_step_s"] - 1))

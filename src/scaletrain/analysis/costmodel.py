@@ -78,8 +78,12 @@ link at ``bandwidth`` (or its node's share of it). ``cores`` (optional) says ins
 workers share one host of that many cores: compute then slows by the measured
 ``colocated_slowdown`` (2 workers that never synchronize, against 1 alone) and by ``W x
 threads / cores`` when they oversubscribe it, which is what happens on this 2-core machine
-beyond 2 workers. Noise, stragglers and the
-slowest worker's wait are not modelled.
+beyond 2 workers. Then the ring all-reduce, too, runs on cores that compute needs: its wall
+time with a core per process (the link probe) no longer says what it costs, its CPU does
+(``collective_cpu_per_byte``, probed with more processes than cores: each of 4 on 2 cores
+spent 13 ms of CPU on a 16.8 MB all-reduce here), and the step is at least the cores' share
+of every worker's compute and ring CPU. Noise, stragglers and the slowest worker's wait are
+not modelled.
 
 **Many processes on few cores, compute elsewhere** (``cores`` and ``cpu_s``: the host CPU one
 process spends per step, recorded as ``cpu_s`` in metrics.jsonl; and ``host``, probed with W
@@ -153,6 +157,11 @@ class Calibration:
     # alone (memory bandwidth, caches, the other processes), measured by running 2 workers
     # that never synchronize.
     colocated_slowdown: float = 1.0
+    # On a shared host whose cores the workers outnumber: the CPU a process spends per byte
+    # it sends in a ring all-reduce (2 (W-1) / W of the payload), probed with more
+    # processes than cores. The ring then runs on cores that compute needs too, so its CPU,
+    # not the wall time it took with a core to itself, is what the step pays. 0: not modelled.
+    collective_cpu_per_byte: float = 0.0
     # Many processes on ``cores`` cores whose compute is a device: the host CPU per step of
     # one process alone (the loop and the framework, without communication), and the host
     # probed at several W (HostProbe; a plain tuple of its first 3 or more fields will do).
@@ -276,6 +285,16 @@ def compute_s(cal: Calibration, workers: int) -> float:
     return cal.compute_s * cal.colocated_slowdown * oversubscribed
 
 
+def oversubscribed_step(cal: Calibration, workers: int, step: float, nbytes: float) -> float:
+    """``step``, or the cores' share of every worker's compute and all-reduce CPU (of
+    ``nbytes`` a step) when the workers outnumber the cores and that is longer."""
+    share = workers * cal.threads_per_worker / cal.cores if cal.cores else 0.0
+    if share <= 1 or not cal.collective_cpu_per_byte or host_bound(cal):
+        return step
+    ring_cpu = cal.collective_cpu_per_byte * 2 * (workers - 1) / workers * nbytes
+    return max(step, share * (cal.compute_s * cal.colocated_slowdown + ring_cpu))
+
+
 def host_bound(cal: Calibration) -> bool:
     """The shared-host term applies: processes share ``cores`` and their host CPU is known."""
     return bool(cal.cores and cal.cpu_s)
@@ -330,6 +349,8 @@ def predict_ddp(cal: Calibration, workers: int, *, ratio: float = 1.0, encode_s:
         comm = allreduce_s(payload, workers, cal, tree=tree)
     encode = encode_s if workers > 1 else 0.0
     step = compute + encode + (1 - cal.overlap) * comm
+    if compressor == "none":
+        step = oversubscribed_step(cal, workers, step, payload)
     if host_bound(cal) and compressor == "none":
         step = synchronous_step(cal, workers, (1 - cal.overlap) * comm)
     name = "ddp" if compressor == "none" else f"ddp+{compressor}"
@@ -339,7 +360,7 @@ def predict_ddp(cal: Calibration, workers: int, *, ratio: float = 1.0, encode_s:
 def predict_local_sgd(cal: Calibration, workers: int, sync_every: int) -> Prediction:
     compute = compute_s(cal, workers)
     comm = allreduce_s(cal.grad_bytes, workers, cal) / sync_every
-    step = compute + comm
+    step = oversubscribed_step(cal, workers, compute + comm, cal.grad_bytes / sync_every)
     if host_bound(cal):  # H-1 steps run free, the H-th synchronizes
         probed = _probed(cal, workers)
         free = free_step(cal, workers, cal.cpu_s * probed.free_slowdown,

@@ -18,6 +18,12 @@ The processes do not arrive together, and gloo's threads hand each message over 
 kernel (epoll, futexes): this costs about a millisecond of CPU per all-reduce between 2
 processes on this 2-core machine, far more than the bytes do.
 
+    python -m scaletrain.analysis.probe RANK WORLD HOST:PORT bytes-cpu SIZE
+
+prints the CPU seconds one process spends in an all-reduce of SIZE bytes (``probe_bytes_cpu``):
+gloo's threads and the kernel copying and summing the bytes, which on a host whose cores the
+processes outnumber competes with their compute (the cost model's collective_cpu_per_byte).
+
     python -m scaletrain.analysis.probe RANK WORLD HOST:PORT ps SLEEP_S SERVERS
 
 the same for a bsp parameter server's rounds (``probe_ps``): the CPU a worker spends in a
@@ -114,6 +120,25 @@ def measure(rank: int, world: int, endpoint: str, sizes: list[int], repeats: int
     dist.destroy_process_group()
     if rank == 0:
         print(json.dumps(results), flush=True)
+
+
+def measure_bytes_cpu(rank: int, world: int, endpoint: str, size: int, repeats: int = 9) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _group(rank, world, endpoint)
+    tensor = torch.ones(size // 4)
+    for _ in range(2):
+        dist.all_reduce(tensor)
+    cpu = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.process_time()  # the whole process: gloo's threads and its system calls
+        dist.all_reduce(tensor)
+        cpu.append(time.process_time() - start)
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"cpu_s": statistics.median(cpu)}), flush=True)
 
 
 def measure_cpu(
@@ -344,6 +369,13 @@ def probe_local(world: int = 2, sizes: tuple[int, ...] = SIZES) -> dict[int, flo
     return {int(k): v for k, v in _local(world, sizes).items()}
 
 
+def probe_bytes_cpu(world: int, nbytes: int) -> float:
+    """CPU seconds one of ``world`` processes on this host spends per byte it sends in a ring
+    all-reduce of ``nbytes`` (2 (W-1) / W of them): the cost model's collective_cpu_per_byte."""
+    cpu = _local(world, ("bytes-cpu", nbytes))["cpu_s"]
+    return float(cpu / (2 * (world - 1) / world * nbytes))
+
+
 def probe_host(sleep_s: float, worlds: list[int], pieces: int = 1) -> tuple[Any, ...]:
     """For each W of ``worlds``, the cost model's ``HostProbe``: W processes on this host
     that sleep ``sleep_s`` a step, do a step's host work and all-reduce a small tensor (the
@@ -399,6 +431,8 @@ def _main(argv: list[str]) -> None:
     rank, world, endpoint, rest = int(argv[0]), int(argv[1]), argv[2], argv[3:]
     if rest[:1] == ["ps"]:
         measure_ps(rank, world, endpoint, float(rest[1]), int(rest[2]))
+    elif rest[:1] == ["bytes-cpu"]:
+        measure_bytes_cpu(rank, world, endpoint, int(rest[1]))
     elif rest[:1] == ["cpu"]:
         measure_cpu(rank, world, endpoint, float(rest[1]), int(rest[2]) if rest[2:] else 1)
     else:
