@@ -391,7 +391,11 @@ def probe_host(sleep_s: float, worlds: list[int], pieces: int = 1) -> tuple[Any,
                                  for k in ("work_s", "free_cpu_s", "free_step_s"))  # fmt: skip
     out = []
     for world in worlds:
-        probed = _local(world, ("cpu", sleep_s, pieces))
+        # Each W three times too: one probe's all-reduce CPU at W=16 came out 3.3 ms in one
+        # make scale and 4.8 ms in the next (3.2 and 5.2 at W=8 and 32 in both), and the
+        # prediction of ddp at 16 moved by a fifth with it.
+        runs = [_local(world, ("cpu", sleep_s, pieces)) for _ in range(3)]
+        probed = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         out.append(HostProbe(world, probed["cpu_s"], probed["work_s"] / work,
                              probed["free_cpu_s"] / free_cpu,
                              max(0.0, probed["free_step_s"] - free_step)))  # fmt: skip
