@@ -289,10 +289,10 @@ def oversubscribed_step(cal: Calibration, workers: int, step: float, nbytes: flo
     """``step``, or the cores' share of every worker's compute and all-reduce CPU (of
     ``nbytes`` a step) when the workers outnumber the cores and that is longer."""
     share = workers * cal.threads_per_worker / cal.cores if cal.cores else 0.0
-    if share <= 1 or not cal.collective_cpu_per_byte or host_bound(cal):
+    if share <= 1 or not cal.collective_cpu_per_byte:
         return step
     ring_cpu = cal.collective_cpu_per_byte * 2 * (workers - 1) / workers * nbytes
-    return max(step, share * (cal.compute_s * cal.colocated_slowdown + ring_cpu))
+    return max(step, compute_s(cal, workers) + share * ring_cpu)
 
 
 def host_bound(cal: Calibration) -> bool:
@@ -349,10 +349,10 @@ def predict_ddp(cal: Calibration, workers: int, *, ratio: float = 1.0, encode_s:
         comm = allreduce_s(payload, workers, cal, tree=tree)
     encode = encode_s if workers > 1 else 0.0
     step = compute + encode + (1 - cal.overlap) * comm
-    if compressor == "none":
-        step = oversubscribed_step(cal, workers, step, payload)
-    if host_bound(cal) and compressor == "none":
+    if compressor == "none" and host_bound(cal):
         step = synchronous_step(cal, workers, (1 - cal.overlap) * comm)
+    elif compressor == "none":
+        step = oversubscribed_step(cal, workers, step, payload)
     name = "ddp" if compressor == "none" else f"ddp+{compressor}"
     return _prediction(name + (" tree" if tree else ""), workers, cal, compute, comm + encode, step)
 
@@ -360,13 +360,14 @@ def predict_ddp(cal: Calibration, workers: int, *, ratio: float = 1.0, encode_s:
 def predict_local_sgd(cal: Calibration, workers: int, sync_every: int) -> Prediction:
     compute = compute_s(cal, workers)
     comm = allreduce_s(cal.grad_bytes, workers, cal) / sync_every
-    step = oversubscribed_step(cal, workers, compute + comm, cal.grad_bytes / sync_every)
     if host_bound(cal):  # H-1 steps run free, the H-th synchronizes
         probed = _probed(cal, workers)
         free = free_step(cal, workers, cal.cpu_s * probed.free_slowdown,
                          cal.compute_s + probed.free_wait_s)  # fmt: skip
         synced = synchronous_step(cal, workers, comm * sync_every)
         step = ((sync_every - 1) * free + synced) / sync_every
+    else:
+        step = oversubscribed_step(cal, workers, compute + comm, cal.grad_bytes / sync_every)
     return _prediction(f"local_sgd H={sync_every}", workers, cal, compute, comm, step)
 
 
