@@ -38,6 +38,10 @@ def draw(rng: random.Random, *, trainable: bool = False) -> dict[str, Any]:
     if strategy in ("tensor", "fsdp") and rng.random() < 0.6:
         d["tp"] = 2
         d["model"] = "transformer"
+    if strategy == "fsdp" and "tp" not in d and rng.random() < 0.5:
+        d["replica_size"] = rng.choice((1, 2))  # HSDP (refused where 2 divides no world)
+    elif rng.random() < 0.03:
+        d["replica_size"] = 2  # refused: replica groups are fsdp's
     if strategy == "ps":
         d["num_servers"] = rng.randint(1, 2)
         d["nproc_per_node"] = d["num_servers"] + rng.randint(1, 3)

@@ -419,6 +419,13 @@ class ParallelSection:
         },
     )
     tp: int = field(default=1, metadata={"help": "tensor: ranks per tensor-parallel group"})
+    replica_size: int = field(
+        default=0,
+        metadata={
+            "help": "fsdp: ranks per replica group (HSDP): each group shards the model over "
+            "its ranks, the groups all-reduce the shards' gradients (0: one group of every rank)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(self.stages >= 0, "stages", f"must be >= 0, got {self.stages}")
@@ -429,6 +436,7 @@ class ParallelSection:
             f"must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}",
         )
         _require(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        _require(self.replica_size >= 0, "replica_size", f"must be >= 0, got {self.replica_size}")
 
 
 CONSISTENCY_MODES = ("bsp", "asp", "ssp")

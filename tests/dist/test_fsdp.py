@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.conftest import assert_no_orphans, run_cli
 from tests.dist.test_equivalence import train
@@ -61,3 +62,36 @@ def test_fsdp_and_tensor_checkpoint_restart_gives_identical_weights(tmp_path):
     assert summaries[1]["recoveries"][0]["step"] == 3
     assert summaries[0]["params_sha256"] == summaries[1]["params_sha256"]
     assert_no_orphans(killed)
+
+
+@pytest.fixture(scope="session")
+def hsdp(tmp_path_factory):
+    """2 replica groups of 2 ranks (--replica-size 2), the single run's data and batch."""
+    return train(tmp_path_factory.mktemp("hsdp"), 4, 115, strategy="fsdp", replica_size=2)
+
+
+def test_hsdp_matches_one_process_and_holds_a_group_share(single, hsdp):
+    """Replica groups (HSDP): each group shards over its own 2 ranks and the groups
+    all-reduce the shards' gradients; the training is one process's with the whole batch,
+    and a rank holds half the state (its group's share), not a quarter."""
+    ref_weights, ref = single
+    weights, run = hsdp
+    assert run["summary"]["hsdp"] == {"replica_size": 2, "replica_groups": 2}
+    diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    assert diff <= 1e-5, f"max abs weight difference {diff:.3g}"
+    full = ref["summary"]["per_rank"][0]["memory"]
+    for rank in run["summary"]["per_rank"]:
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert 0.45 * full[key] <= rank["memory"][key] <= 0.6 * full[key], (key, rank)
+
+
+def test_hsdp_checkpoint_restart_gives_identical_weights(tmp_path, hsdp):
+    """A rank of the second group SIGKILLed mid-run: the group restarts from the DCP
+    checkpoint of the 2-D mesh's shards, to the uninterrupted run's weights, bit for bit."""
+    weights, _ = hsdp
+    killed, run = train(
+        tmp_path, 4, 115, strategy="fsdp", replica_size=2,
+        checkpoint_every=4, max_restarts=1, inject="kill:rank=3:step=6",
+    )  # fmt: skip
+    assert run["summary"]["recoveries"][0]["step"] == 4, run["summary"]["recoveries"]
+    assert all(torch.equal(killed[k], weights[k]) for k in weights)

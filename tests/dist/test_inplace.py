@@ -160,7 +160,8 @@ def test_a_replica_that_reached_the_end_finishes_after_a_peer_did(tmp_path):
 def test_inplace_refuses_what_it_cannot_do():
     base = {"recovery": "inplace"}
     for overrides, message in [
-        ({"strategy": "fsdp"}, "inplace recovery runs data parallel training"),
+        ({"strategy": "fsdp"}, "--recovery inplace runs data parallel training"),
+        ({"strategy": "fsdp", "replica_size": 2}, "not in place yet"),
         ({"nnodes": "1:2", "rdzv_endpoint": "127.0.0.1:29999"}, "starts a fixed set of replicas"),
         ({"compression": "powersgd:rank=2"}, "carries fp16 and bf16 gradients, not powersgd"),
         ({"compression": "topk"}, "torchft carries only all-reduces"),

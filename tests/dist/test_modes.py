@@ -69,6 +69,9 @@ FLAGS: dict[str, dict[str, Any]] = {
     "activation-checkpointing": {"activation_checkpointing": True, "model": "transformer"},
     "balance": {"balance": "speed", "balance_every": 2},
     "compression": {"compression": "bf16"},
+    # Replica groups (HSDP) of 1 rank: fsdp over 2 groups. The mode's own overrides (its
+    # strategy) win over this one's (config), so ps and local SGD in place refuse it.
+    "replica-size": {"strategy": "fsdp", "replica_size": 1},
 }
 # (mode, flag) -> why it is refused; every other cell runs.
 REFUSED = {
@@ -80,6 +83,9 @@ REFUSED = {
     ("ps", "inject corrupt"): "the servers keep checkpoints of their own",
     ("ps", "balance"): "leases are dealt by the servers",
     ("ps", "compression"): "the servers take whole gradients",
+    ("inplace", "replica-size"): "a replica is one process: HSDP in place is not built yet",
+    ("inplace-rounds", "replica-size"): "as in place",
+    ("ps", "replica-size"): "the servers hold the parameters; replica groups are fsdp's",
 }
 # Cells that run together (one run per group and mode, with every flag of the group that
 # the mode accepts; a later flag's value wins). Faults get runs of their own (the damaged
@@ -95,15 +101,17 @@ GROUPS = {
     "hang": ["inject hang"],
     "compile": ["compile"],
     "blocks": ["activation-checkpointing"],
+    "hsdp": ["replica-size"],
 }
 # fmt: on
 GROUP_OF = {flag: group for group, flags in GROUPS.items() for flag in flags}
 
 
 def config(mode: str, flags: list[str]) -> RunConfig:
-    overrides = dict(BASE) | MODES[mode][0]
+    overrides = dict(BASE)
     for flag in flags:
         overrides |= FLAGS[flag]
+    overrides |= MODES[mode][0]
     cfg = with_overrides(RunConfig(), overrides)
     assert mode_of(cfg) == mode.partition("-")[0]
     return cfg
@@ -234,6 +242,10 @@ def compressed(run: Run, mode: str) -> None:
     assert abs(run.summary["compression_ratio"] - 2.0) < 0.02, run.summary["compression_ratio"]
 
 
+def in_replica_groups(run: Run, mode: str) -> None:
+    assert run.summary["hsdp"] == {"replica_size": 1, "replica_groups": 2}, run.summary
+
+
 # What each cell's flag must have done, read off its run.
 EFFECTS: dict[str, Callable[[Run, str], None]] = {
     "checkpoint-every": checkpointed,
@@ -254,6 +266,7 @@ EFFECTS: dict[str, Callable[[Run, str], None]] = {
     "activation-checkpointing": blocks_recomputed,
     "balance": rebalanced,
     "compression": compressed,
+    "replica-size": in_replica_groups,
 }
 
 

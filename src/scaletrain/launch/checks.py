@@ -78,6 +78,11 @@ def check_strategy(cfg: RunConfig) -> None:
         model = task.model
         if cfg.train.activation_checkpointing:
             check_checkpoint_modules(cfg, model, task.checkpoint_modules)
+    if cfg.parallel.replica_size and cfg.train.strategy != "fsdp":
+        raise ValueError(
+            f"replica_size: replica groups (HSDP) shard the model under --strategy fsdp, not "
+            f"under --strategy {cfg.train.strategy}"
+        )
     for world in worlds:
         strategy.check_config(cfg, world, model if checks_model else None)
     from scaletrain.launch.modes import mode_of

@@ -59,8 +59,14 @@ def refusals(cfg: RunConfig) -> list[str]:
         name = "--recovery inplace"
         if cfg.train.strategy not in INPLACE_STRATEGIES:
             out.append(
-                "recovery: inplace recovery runs data parallel training (--strategy ddp, "
-                f"local_sgd or diloco), not {cfg.train.strategy!r}"
+                f"recovery: {name} runs data parallel training (--strategy ddp, local_sgd or "
+                f"diloco), not {cfg.train.strategy!r}"
+            )
+        if cfg.parallel.replica_size:
+            out.append(
+                f"replica_size: {name} runs replicas of one process each; replica groups of "
+                "several ranks sharding the model (HSDP) run in the restart mode, not in place "
+                "yet"
             )
         if cfg.train.strategy in ("local_sgd", "diloco") and cfg.train.balance == "speed":
             out.append(

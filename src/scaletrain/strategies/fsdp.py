@@ -7,6 +7,15 @@ one FSDP unit, then the root. A layer's parameters are all-gathered before its f
 again before its backward), its gradients reduce-scattered after backward; the optimizer steps
 on the local shards (DTensors), so its state is sharded too.
 
+Replica groups (HSDP, ``--replica-size R``): the W ranks form W/R groups of R consecutive
+ranks; each group shards the model over its own R ranks (FSDP2 on a 2-D ("replicate",
+"shard") device mesh), so a rank holds 1/R of the state instead of 1/W. After backward each
+group reduce-scatters the gradients over its R ranks, then the ranks that hold the same shard
+(one per group) all-reduce it. The all-gathers stay within a group: on a cluster, R = the
+devices of a node keeps the per-layer traffic on the node's fast links and sends only the
+gradient all-reduce of 1/R of the model over the network. 0 (the default), or R = W, is plain
+FSDP; R = 1 is replication (each rank the whole model, DDP's traffic).
+
 Gradient semantics as in ddp.py: each rank scales its mean loss by ``n_r * W / N`` and FSDP's
 reduce-scatter averages over W, which gives the gradient of the mean over all N samples.
 
@@ -72,6 +81,13 @@ def unit_bytes(model: nn.Module) -> tuple[int, int]:
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+def shard_size(cfg: RunConfig, data_parallel: int) -> int:
+    """The ranks one copy of the model is sharded over: --replica-size, or every
+    data-parallel rank (0, plain FSDP)."""
+    size = cfg.parallel.replica_size
+    return size if 0 < size <= data_parallel else data_parallel
+
+
 def local_bytes(tensors: Any) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard)."""
     total = 0
@@ -98,10 +114,15 @@ class FSDPStrategy(Strategy):
         self.param_bytes_full = sum(p.numel() * p.element_size() for p in model.parameters())
         self.tp = self.cfg.parallel.tp
         self.dp = self.ctx.world_size // self.tp
+        self.shard = shard_size(self.cfg, self.dp)
+        self.replicas = self.dp // self.shard
         if self.tp > 1:  # fsdp x tensor: split layers over "tp", then shard over "dp"
             mesh_2d = tensor_parallel_mesh(self.ctx, self.tp)
             apply_tensor_parallel(model, mesh_2d)
             mesh = mesh_2d["dp"]
+        elif self.replicas > 1:  # HSDP: shard within each group, replicate across them
+            mesh = init_device_mesh(self.ctx.device.type, (self.replicas, self.shard),
+                                    mesh_dim_names=("replicate", "shard"))  # fmt: skip
         else:
             mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
         # Children before parents: fully_shard takes every parameter below a module that no
@@ -134,6 +155,18 @@ class FSDPStrategy(Strategy):
     def check_config(cls, cfg: RunConfig, world_size: int, model: nn.Module | None) -> None:
         if cfg.parallel.tp > 1:
             check_tensor_parallel(model, cfg.parallel.tp, world_size)
+        size = cfg.parallel.replica_size
+        if size and cfg.parallel.tp > 1:
+            raise ValueError(
+                "replica_size: fsdp x tensor (--tp) shards over the data-parallel ranks of a "
+                "(dp, tp) mesh; replica groups as well would take a 3-D mesh, which is not "
+                "supported: drop --replica-size or --tp"
+            )
+        if size and world_size % size:
+            raise ValueError(
+                f"replica_size: {size} does not divide the world size {world_size}; the world "
+                "must hold a whole number of replica groups"
+            )
 
     @property
     def data_rank(self) -> int:
@@ -148,9 +181,11 @@ class FSDPStrategy(Strategy):
         return self.ctx.rank % self.tp == 0
 
     def summary_info(self) -> dict[str, Any]:
-        if self.tp == 1:
-            return {}
-        return {"tensor_parallel": {"tp": self.tp, "data_parallel": self.dp}}
+        if self.tp > 1:
+            return {"tensor_parallel": {"tp": self.tp, "data_parallel": self.dp}}
+        if self.replicas > 1:
+            return {"hsdp": {"replica_size": self.shard, "replica_groups": self.replicas}}
+        return {}
 
     @classmethod
     def estimate_state_bytes(
@@ -158,7 +193,8 @@ class FSDPStrategy(Strategy):
     ) -> int | None:
         # The shards, plus the largest unit's parameters and gradients while gathered.
         total, largest = unit_bytes(model)
-        return -(-total * (2 + optimizer_copies) // world_size) + 2 * largest
+        shards = shard_size(cfg, world_size // cfg.parallel.tp)
+        return -(-total * (2 + optimizer_copies) // shards) + 2 * largest
 
     @property
     def model(self) -> nn.Module:
@@ -233,16 +269,23 @@ class FSDPStrategy(Strategy):
         extras = self.step_optimizer(self.optimizer, self.module.parameters())
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
-        dp = self.dp
         return StepResult(
             loss=loss,
             compute_s=time.perf_counter() - start,
             comm_s=0.0,
             wait_s=0.0,
-            # Over "dp" only; under --tp the tensor-parallel all-reduces come on top.
-            comm_bytes=3 * (dp - 1) * self.param_bytes_full // (dp * self.tp),
+            comm_bytes=self.comm_bytes_per_step(),
             extras=extras,
         )
+
+    def comm_bytes_per_step(self) -> int:
+        """The textbook bytes a rank sends a step: two all-gathers and a reduce-scatter of
+        its (dp or tp) part of the parameters within its shard group, then under HSDP a ring
+        all-reduce of its 1/R shard across the replica groups (under --tp the
+        tensor-parallel all-reduces come on top)."""
+        part = self.param_bytes_full // self.tp
+        s, g = self.shard, self.replicas
+        return 3 * (s - 1) * part // s + 2 * (g - 1) * part // (g * s)
 
     def gather_replica(self) -> nn.Module:
         """A plain replica with the full weights (a collective: every rank calls it)."""
