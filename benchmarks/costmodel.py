@@ -44,6 +44,7 @@ from floors import Floors  # noqa: E402
 
 from scaletrain.analysis import costmodel  # noqa: E402
 from scaletrain.analysis.probe import probe_bytes_cpu, probe_lab, probe_local  # noqa: E402
+from scaletrain.cli import predict_argv  # noqa: E402
 from scaletrain.netns import NetworkLab, unavailable_reason  # noqa: E402
 
 FLOORS = Floors()
@@ -123,13 +124,21 @@ def median_of(rows: list[dict[str, float]]) -> dict[str, float]:
 def predict(
     calibration: dict[str, float], link_: tuple[float, float], row: dict[str, Any]
 ) -> float:
-    cal = costmodel.Calibration(
+    cal = calibration_of(calibration, link_)
+    return costmodel.predict_method(cal, row["method"], row["workers"]).step_s
+
+
+def calibration_of(
+    calibration: dict[str, float], link_: tuple[float, float], cores: int = 0
+) -> costmodel.Calibration:
+    """The model's calibration from the measured figures (on ``cores`` cores, by default
+    this machine's)."""
+    return costmodel.Calibration(
         compute_s=calibration["compute_s"], batch_size=int(calibration["batch_size"]),
         grad_bytes=int(calibration["grad_bytes"]), latency_s=link_[0], bandwidth_Bps=link_[1],
-        cores=os.cpu_count() or 1, colocated_slowdown=calibration["colocated_slowdown"],
+        cores=cores or os.cpu_count() or 1, colocated_slowdown=calibration["colocated_slowdown"],
         collective_cpu_per_byte=calibration.get("collective_cpu_per_byte", 0.0),
     )  # fmt: skip
-    return costmodel.predict_method(cal, row["method"], row["workers"]).step_s
 
 
 def main() -> None:
@@ -190,6 +199,14 @@ def main() -> None:
         print(f"{row['network']:<9} {row['workers']:>2} {row['method']:<12} "
               f"{predicted * 1e3:12.1f} {min(each) * 1e3:6.1f}-{max(each) * 1e3:<6.1f} "
               f"{row['measured_step_s'] * 1e3:11.1f} {ratio:9.2f}  {verdict}")  # fmt: skip
+    print("\nthe same predictions from the command line (scaletrain predict, given these figures):")
+    for net, fit in links.items():
+        rows_here = [r for r in rows if r["network"] == net]
+        print("  " + " ".join(predict_argv(
+            calibration_of(calibration, fit),
+            sorted({r["workers"] for r in rows_here}),
+            list(dict.fromkeys(r["method"] for r in rows_here)),
+        )))  # fmt: skip
     if args.record:
         record = {"calibration": calibration, "cores": os.cpu_count(),
                   "links": {k: list(v) for k, v in links.items()},

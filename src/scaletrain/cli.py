@@ -176,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--cores", type=int, default=0, help="cores the workers share (0: each has its own)"
     )
     predict.add_argument(
+        "--colocated-slowdown", type=float, default=None, metavar="X",
+        help="with --cores: one worker's compute beside the others over a worker's alone "
+             "(measured: 2 workers that never synchronize; default 1)",
+    )  # fmt: skip
+    predict.add_argument(
+        "--collective-cpu-us-per-mb", type=float, default=None, metavar="US",
+        help="with --cores: the CPU a process spends per MB it sends in an all-reduce, which "
+             "the workers' compute pays when they outnumber the cores (default 0: not modelled)",
+    )  # fmt: skip
+    predict.add_argument(
         "--probe-host", action="store_true",
         help="with --cores: probe this host with W processes for each W of --workers (their "
              "all-reduce's CPU, the slowdown of their other work): for devices on a shared host",
@@ -189,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "model's goodput, within a deadline, a budget and a global batch limit.",
     )  # fmt: skip
     add_model_and_cluster_flags(plan)
-    plan.set_defaults(cores=0, probe_host=False)
+    plan.set_defaults(cores=0, probe_host=False, colocated_slowdown=None,
+                      collective_cpu_us_per_mb=None)  # fmt: skip
     plan.add_argument("--workers", default="8,16,32,64,128,256,512",
                       help="device counts to consider")  # fmt: skip
     plan.add_argument("--methods", default="ddp,fsdp,local_sgd:8",
@@ -364,7 +375,8 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
     if args.overlap is not None and not 0 <= args.overlap <= 1:
         raise ValueError(f"{args.command}: --overlap is a share, 0-1, got {args.overlap}")
     link: dict[str, Any] = {"latency_s": latency_us * 1e-6, "bandwidth_Bps": bandwidth,
-            "gpus_per_node": gpus, "intra_bandwidth_Bps": intra}  # fmt: skip
+            "gpus_per_node": gpus, "intra_bandwidth_Bps": intra,
+            **shared_host(args)}  # fmt: skip
     if not args.calibrate:
         if args.step_ms <= 0 or args.batch_size < 1 or args.grad_bytes_per_param <= 0:
             raise ValueError(
@@ -372,15 +384,15 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
                 "above 0"
             )
         params = costmodel.parse_count(args.params, "--params")
-        if args.cores or args.probe_host:
+        if args.probe_host:
             raise ValueError(
-                f"{args.command}: --cores and --probe-host model this host's processes, "
-                "calibrated from a run here: use them with --calibrate"
+                f"{args.command}: --probe-host probes this host for a job's step measured "
+                "here: use it with --calibrate"
             )
         return costmodel.Calibration(
             compute_s=args.step_ms / 1e3, batch_size=args.batch_size,
             grad_bytes=round(params * args.grad_bytes_per_param), overlap=args.overlap or 0.0,
-            **link,
+            cores=args.cores, **link,
         )  # fmt: skip
     measured = costmodel.calibrate_run(Path(args.calibrate))
     host: tuple[Any, ...] = ()
@@ -399,6 +411,55 @@ def predict_calibration(args: argparse.Namespace, worker_counts: list[int]) -> A
         grad_bytes=int(measured["grad_bytes"]), overlap=overlap, cores=args.cores,
         cpu_s=measured["cpu_s"] if args.cores else 0.0, host=host, **link,
     )  # fmt: skip
+
+
+def predict_argv(cal: Any, workers: list[int], methods: list[str]) -> list[str]:
+    """The ``scaletrain predict`` command line that describes ``cal`` (a cost-model
+    Calibration without host probes) and predicts ``methods`` at ``workers``: what a
+    calibration measured here reads as on the command line (benchmarks/costmodel.py prints
+    it)."""
+    if cal.grad_bytes % 4 or cal.cpu_s or cal.host or cal.ps_host:
+        raise ValueError("predict_argv: fp32 gradients and no host probes only")
+    argv = [
+        "scaletrain", "predict", "--params", str(cal.grad_bytes // 4),
+        "--step-ms", repr(cal.compute_s * 1e3), "--batch-size", str(cal.batch_size),
+        "--latency-us", repr(cal.latency_s * 1e6), "--bandwidth", f"{cal.bandwidth_Bps!r}B/s",
+        "--overlap", repr(cal.overlap),
+    ]  # fmt: skip
+    if cal.gpus_per_node > 1:
+        argv += ["--gpus-per-node", str(cal.gpus_per_node),
+                 "--intra-bandwidth", f"{cal.intra_bandwidth_Bps!r}B/s"]  # fmt: skip
+    if cal.cores:
+        per_mb = cal.collective_cpu_per_byte * 1e12
+        argv += ["--cores", str(cal.cores), "--colocated-slowdown", repr(cal.colocated_slowdown),
+                 "--collective-cpu-us-per-mb", repr(per_mb)]  # fmt: skip
+    return [*argv, "--workers", ",".join(map(str, workers)), "--methods", ",".join(methods)]
+
+
+def shared_host(args: argparse.Namespace) -> dict[str, float]:
+    """What sharing ``--cores`` costs the workers, as measured on the host (the Calibration's
+    colocated_slowdown and collective_cpu_per_byte); nothing without --cores."""
+    given = {"--colocated-slowdown": args.colocated_slowdown,
+             "--collective-cpu-us-per-mb": args.collective_cpu_us_per_mb}  # fmt: skip
+    named = [flag for flag, value in given.items() if value is not None]
+    if named and not args.cores:
+        raise ValueError(
+            f"{args.command}: {' and '.join(named)} describe{'s' if len(named) == 1 else ''} "
+            "workers sharing a host's cores: give --cores too"
+        )
+    if any(value is not None and value < 0 for value in given.values()) or (
+        args.colocated_slowdown is not None and args.colocated_slowdown == 0
+    ):
+        raise ValueError(
+            f"{args.command}: --colocated-slowdown must be above 0 and "
+            "--collective-cpu-us-per-mb at least 0"
+        )
+    out: dict[str, float] = {}
+    if args.colocated_slowdown is not None:
+        out["colocated_slowdown"] = args.colocated_slowdown
+    if args.collective_cpu_us_per_mb is not None:
+        out["collective_cpu_per_byte"] = args.collective_cpu_us_per_mb * 1e-12
+    return out
 
 
 def failure_inputs(args: argparse.Namespace, cal: Any) -> tuple[float, float]:
@@ -597,9 +658,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
         highlight=False, soft_wrap=True,
     )  # fmt: skip
     console.print(table)
-    shared = (f"the workers share {args.cores} cores (their host CPU per step: "
-              f"{cal.cpu_s * 1e3:.2f} ms alone)" if cal.cores else
-              "every worker has its own compute")  # fmt: skip
+    shared = "every worker has its own compute"
+    if cal.cores:
+        shared = (f"the workers share {cal.cores} cores (" + (
+            f"their host CPU per step: {cal.cpu_s * 1e3:.2f} ms alone" if cal.cpu_s else
+            f"one beside the others computes {cal.colocated_slowdown:.2f}x as long as alone, "
+            f"an all-reduce costs {cal.collective_cpu_per_byte * 1e12:.0f} us of CPU per MB "
+            "sent") + ")")  # fmt: skip
     hierarchy = ("hierarchical all-reduce (within each node, then across nodes)"
                  if cal.gpus_per_node > 1 else "ring all-reduce")  # fmt: skip
     console.print(

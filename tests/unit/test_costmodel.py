@@ -170,6 +170,54 @@ def test_predictions_within_20_percent_of_recorded_measurements():
         assert predicted / row["measured_step_s"] == pytest.approx(1, abs=0.2), row
 
 
+def test_the_command_line_reproduces_the_recorded_predictions(capsys):
+    """``scaletrain predict`` given this host's measured figures (the command line
+    benchmarks/costmodel.py prints beside its table, cli.predict_argv) predicts what the
+    model calibrated in the benchmark does, row by row, and so within 20% of the recorded
+    measurements."""
+    from scaletrain.cli import predict_argv, run_command
+
+    record = json.loads(RECORDED.read_text())
+    c = record["calibration"]
+    checked = 0
+    for network, (latency, bandwidth) in record["links"].items():
+        model = Calibration(
+            compute_s=c["compute_s"], batch_size=c["batch_size"], grad_bytes=c["grad_bytes"],
+            latency_s=latency, bandwidth_Bps=bandwidth, cores=record["cores"],
+            colocated_slowdown=c["colocated_slowdown"],
+            collective_cpu_per_byte=c.get("collective_cpu_per_byte", 0.0),
+        )  # fmt: skip
+        rows = [r for r in record["measured"] if r["network"] == network]
+        workers = sorted({r["workers"] for r in rows})
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        argv = predict_argv(model, workers, methods)
+        assert run_command([*argv[1:], "--json"]) == 0
+        printed = {(p["method"], p["workers"]): p["step_s"]
+                   for p in json.loads(capsys.readouterr().out)}  # fmt: skip
+        for row in rows:
+            expected = predict_method(model, row["method"], row["workers"])
+            got = printed[(expected.method, row["workers"])]
+            assert got == pytest.approx(expected.step_s, rel=1e-9), row
+            assert got / row["measured_step_s"] == pytest.approx(1, abs=0.2), row
+            checked += 1
+    assert checked == len(record["measured"]) >= 5
+
+
+def test_the_shared_host_flags_need_cores_and_sane_values(capsys):
+    from scaletrain.cli import run_command
+
+    described = ["predict", "--params", "1M", "--step-ms", "10", "--batch-size", "8"]
+    for extra, message in [
+        (["--colocated-slowdown", "1.1"], "--colocated-slowdown describes workers sharing"),
+        (["--cores", "2", "--colocated-slowdown", "0"], "must be above 0"),
+        (["--cores", "2", "--collective-cpu-us-per-mb", "-1"], "at least 0"),
+        (["--cores", "2", "--probe-host"], "use it with --calibrate"),
+    ]:
+        assert run_command([*described, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+
 def test_the_co_location_term_brings_every_shared_host_row_closer():
     """On the recorded rows whose workers share the 2-core host (loopback), the measured
     co-location slowdown moves each prediction toward the measurement: with the term removed
