@@ -10,11 +10,11 @@ PIP_CONSTRAINT_FLAGS = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: install demo test test-fast stress fuzz lint bench scale scale-hosts chaos clean
+.PHONY: install demo test test-fast stress fuzz lint bench scale scale-hosts chaos docs docs-serve clean
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(PIP_CONSTRAINT_FLAGS) -e '.[dev,ft]'
+	$(BIN)/pip install --quiet $(PIP_CONSTRAINT_FLAGS) -e '.[dev,ft,docs]'
 	touch $@
 
 install: $(STAMP)
@@ -82,6 +82,15 @@ bench: install
 	$(BIN)/python benchmarks/checkpoint_interval.py
 	$(BIN)/python benchmarks/balance_speed.py
 	$(BIN)/python benchmarks/staleness_rule.py
+
+# The docs site (mkdocs.yml): built strictly, so a broken link or a missing reference fails.
+# The command-line and configuration reference pages are generated from the code at each
+# build (scripts/docs_reference.py).
+docs: install
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: install
+	$(BIN)/mkdocs serve --strict --dev-addr 127.0.0.1:8000
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -535,6 +535,12 @@ SECTIONS: dict[str, type] = {
 
 @dataclass(kw_only=True)
 class RunConfig:
+    """A run's whole configuration: one section per TOML table (``launch``, ``train``,
+    ``data``, ``model``, ``optim``, ``fault``, ``comm``, ``parallel``, ``ps``), each key a flag
+    of ``scaletrain run`` (the configuration reference lists them all). Build one with
+    ``with_overrides(RunConfig(), {"nproc_per_node": 2, ...})`` (flat keys, as the flags
+    name them) or ``load_toml(path)``; both validate it."""
+
     out: str = field(default="", metadata={"help": "run directory (default runs/<timestamp>)"})
     launch: LaunchSection = field(default_factory=LaunchSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -660,6 +666,8 @@ def with_overrides(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
 
 
 def load_toml(path: str | Path) -> RunConfig:
+    """The configuration in the TOML file at ``path`` (its tables as RunConfig's sections);
+    ValueError naming the key for an unknown key or a value of the wrong type."""
     p = Path(path)
     try:
         text = p.read_text()

@@ -3,9 +3,9 @@
 summary.json (written by rank 0 at the end) holds the contract other tools read: strategy,
 world_size, steps, samples, wall_s, samples_per_s, final_loss, test_accuracy,
 time_breakdown {compute_s, comm_s, wait_s, data_s, checkpoint_s}, recoveries and
-params_sha256, plus the extras documented in README.md. ``steps`` and ``samples`` count the
-whole job; so do wall_s and samples_per_s (from its first run's start, through failures and
-resumes, metrics/goodput.py, with goodput and time_lost); train_wall_s and
+params_sha256, plus the extras documented in docs/reference/run-directory.md. ``steps`` and
+``samples`` count the whole job; so do wall_s and samples_per_s (from its first run's start,
+through failures and resumes, metrics/goodput.py, with goodput and time_lost); train_wall_s and
 train_samples_per_s, and the times, the last attempt's training loop. Time totals in
 time_breakdown are the mean over ranks of each rank's sum over its steps; per_rank lists
 every rank's own totals.
