@@ -60,3 +60,55 @@ def test_the_readme_is_a_front_page():
     assert len(readme.splitlines()) < 150
     for target in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (REPO / target).is_file(), target
+
+
+def documented_commands() -> list[tuple[str, list[str], str]]:
+    """Every ``scaletrain`` command line in a shell block of README.md and docs/ (continued
+    lines joined, shell variables of the same block expanded): (page, argv, its comment)."""
+    import shlex
+
+    out = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        for block in re.findall(r"```(?:bash|sh|text)?\n(.*?)```", text, re.S):
+            block = re.sub(r"\\\n\s*", " ", block)
+            variables = dict(re.findall(r'^(\w+)="([^"]*)"', block, re.M))
+            for line in block.splitlines():
+                line = line.strip().removeprefix("$ ")
+                if not line.startswith("scaletrain ") or "..." in line:
+                    continue
+                command, _, comment = line.partition("#")
+                for name, value in variables.items():
+                    command = command.replace(f"${name}", value)
+                command = re.sub(r"\[(--[\w-]+)\]", "", command)  # an optional flag shown
+                out.append((page.relative_to(REPO).as_posix(), shlex.split(command)[1:], comment))
+    return out
+
+
+def test_every_documented_command_is_one_the_command_line_takes(tmp_path, capsys):
+    """Each command the docs show parses (every flag exists); a `run` passes every pre-start
+    check (`--dry-run`), or is refused with exit 2 where its comment says so; `predict` and
+    `plan` from a description run for real. A flag renamed or a combination that became
+    refused fails here, not in a reader's terminal."""
+    from scaletrain.cli import build_parser, run_command
+
+    commands = documented_commands()
+    assert len(commands) >= 25
+    parser = build_parser()
+    for page, argv, comment in commands:
+        where = f"{page}: scaletrain {' '.join(argv)}"
+        try:
+            parser.parse_args(argv)
+        except SystemExit as e:
+            raise AssertionError(f"{where} does not parse: {capsys.readouterr().err}") from e
+        inputs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--data", "--task")]
+        if argv[0] == "run" and all((REPO / path.split(":")[0]).exists() for path in inputs):
+            # (A run of data the page made first, `scaletrain shard ...`, parses only.)
+            if "--out" in argv:  # nothing is written by --dry-run; never the repo's runs/
+                argv = [*argv[: argv.index("--out")], *argv[argv.index("--out") + 2 :]]
+            code = run_command([*argv, "--out", str(tmp_path / "never-written"), "--dry-run"])
+            expected = 2 if "refused" in comment else 0
+            assert code == expected, f"{where}: exit {code}: {capsys.readouterr().err}"
+        elif argv[0] in ("predict", "plan") and "--calibrate" not in argv:
+            assert run_command(argv) == 0, f"{where}: {capsys.readouterr().err}"
+        capsys.readouterr()
