@@ -2,7 +2,7 @@
 README.md, the command line from scaletrain's own argparse parsers, and every configuration
 key from the config dataclasses. Generated at each build, so none can drift from its source.
 
-    python scripts/docs_reference.py cli|config    prints a page (what the hook adds)
+    python scripts/docs_reference.py cli|config|environment|exit-codes    prints a page
 """
 
 from __future__ import annotations
@@ -85,6 +85,84 @@ def config_page() -> str:
     return "\n".join(out)
 
 
+def environment_page() -> str:
+    """Every environment variable, from scaletrain/env.py (its constants, their comments, and
+    the comment lines that head each group)."""
+    import re
+
+    import scaletrain.env as env
+
+    out = [
+        "# Environment variables\n",
+        "Every environment variable scaletrain reads or sets, generated from "
+        "`scaletrain/env.py`, where each is named once. The launcher sets most of them for "
+        "the processes it starts; the ones a user gives are marked so.\n",
+    ]
+    rows: list[str] = []
+    for line in Path(env.__file__).read_text().splitlines():
+        heading = re.match(r"^# (.+)$", line)
+        if heading:
+            if rows:
+                out.append("| variable | what it is |\n|---|---|\n" + "\n".join(rows) + "\n")
+                rows = []
+            out.append(f"## {heading.group(1).rstrip('.:')}\n")
+            continue
+        const = re.match(r'^([A-Z_]+) = "([A-Z_]+)"(?:\s*# (.*))?$', line)
+        if const:
+            rows.append(f"| `{const.group(2)}` | {_cell(const.group(3) or '')} |")
+    if rows:
+        out.append("| variable | what it is |\n|---|---|\n" + "\n".join(rows) + "\n")
+    return "\n".join(out)
+
+
+def exit_codes_page() -> str:
+    """The exit statuses, their numbers read from the code."""
+    from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
+    from scaletrain.fault.watchdog import HANG_EXIT_CODE
+    from scaletrain.launch.rendezvous import UNREACHABLE_EXIT_CODE
+
+    codes = [
+        ("0", "the job finished (also after recoveries)."),
+        (
+            "1",
+            "the job failed: a worker failed for good (its log's last lines follow the "
+            "message), the launch failed, or an internal failure (it says so: a bug to "
+            "report, never the user's input).",
+        ),
+        (
+            "2",
+            "`scaletrain: error: ...`: the user's mistake only (a flag, a value, a "
+            "combination a mode would not honour, a run directory that holds another "
+            "job); nothing was started.",
+        ),
+        (
+            str(PREEMPTED_EXIT_CODE),
+            "preempted (SIGTERM, or SIGUSR1 as SLURM's --signal "
+            "sends): checkpointed where the mode can, and stopped; the same command "
+            "continues the job.",
+        ),
+        ("130", "interrupted (Ctrl-C); the workers were stopped."),
+    ]
+    worker = [
+        (
+            str(HANG_EXIT_CODE),
+            "ended by its own watchdog after `--hang-timeout-s` without "
+            "progress (restarted, or the job fails, as after a death).",
+        ),
+        (str(UNREACHABLE_EXIT_CODE), "could not reach the rendezvous (a node cut off)."),
+    ]
+    table = "| status | meaning |\n|---|---|\n"
+    return "\n".join([
+        "# Exit codes\n",
+        "What `scaletrain run` (and `demo`) exit with; the numbers are read from the code.\n",
+        table + "\n".join(f"| {c} | {t} |" for c, t in codes) + "\n",
+        "## A worker process's own\n",
+        "Recorded in `logs/incidents.jsonl` and summary.json's `recoveries`, not the "
+        "command's exit status:\n",
+        table + "\n".join(f"| {c} | {t} |" for c, t in worker) + "\n",
+    ])  # fmt: skip
+
+
 def home_page() -> str:
     """The site's home: README.md, its links made relative to docs/ (one text, two places)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -96,11 +174,14 @@ def on_files(files: Any, config: Any) -> Any:
     from mkdocs.structure.files import File
 
     pages = {"index.md": home_page, "reference/cli.md": cli_page,
-             "reference/config.md": config_page}  # fmt: skip
+             "reference/config.md": config_page, "reference/environment.md": environment_page,
+             "reference/exit-codes.md": exit_codes_page}  # fmt: skip
     for path, page in pages.items():
         files.append(File.generated(config, path, content=page()))
     return files
 
 
 if __name__ == "__main__":
-    sys.stdout.write(cli_page() if sys.argv[1:] == ["cli"] else config_page())
+    pages = {"cli": cli_page, "config": config_page, "environment": environment_page,
+             "exit-codes": exit_codes_page}  # fmt: skip
+    sys.stdout.write(pages[sys.argv[1]]())

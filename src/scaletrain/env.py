@@ -24,15 +24,15 @@ AGENT_PID = "SCALETRAIN_AGENT_PID"  # the process that supervises this one (fork
 JOIN_TOKEN = "SCALETRAIN_JOIN_TOKEN"  # the secret a process proves to join the ps
 CACHE = "SCALETRAIN_CACHE"  # where built-in datasets are cached
 # The test suite's stress knobs (scripts/stress.py).
-STRESS_SEED = "SCALETRAIN_STRESS_SEED"
-RESUME_DRAWS = "SCALETRAIN_RESUME_DRAWS"
+STRESS_SEED = "SCALETRAIN_STRESS_SEED"  # a stress round's seed: new random draws
+RESUME_DRAWS = "SCALETRAIN_RESUME_DRAWS"  # draws of the bitwise-resume property test
 
 # torch's own, as its elastic agent sets them (our fleets set them alike).
-RANK = "RANK"
-WORLD_SIZE = "WORLD_SIZE"
-LOCAL_RANK = "LOCAL_RANK"
-LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
-RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+RANK = "RANK"  # this process's global rank
+WORLD_SIZE = "WORLD_SIZE"  # processes in the job
+LOCAL_RANK = "LOCAL_RANK"  # its rank on this node
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"  # processes on this node
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # the attempt: restarts so far
 
 
 def get_int(name: str, default: int = 0) -> int:

@@ -34,6 +34,12 @@ def test_the_site_builds_strictly_with_every_flag_and_key(tmp_path):
     api = (site / "reference" / "python-api" / "index.html").read_text()
     for documented in ("scaletrain.run", "scaletrain.task.Task", "with_overrides"):
         assert documented in api, documented
+    environment = (site / "reference" / "environment" / "index.html").read_text()
+    import scaletrain.env as env
+
+    for value in vars(env).values():
+        if isinstance(value, str) and value.isupper():
+            assert f"<code>{value}</code>" in environment, value
     home = (site / "index.html").read_text()
     assert "Setup: two commands" in home
 
