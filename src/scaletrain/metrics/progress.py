@@ -142,6 +142,11 @@ class ProgressView:
         return sum(r["comm_s"] for r in self.window) / step if step > 0 else 0.0
 
 
+def count(n: int, noun: str) -> str:
+    """``n`` of ``noun``: 1 worker, 2 workers."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -241,10 +246,9 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
             (
                 f"ps {ps['consistency']}"
                 + (f"({ps['staleness_bound']})" if ps["staleness_bound"] is not None else "")
-                + f": {ps['num_workers']} workers, {ps['num_servers']} server"
-                + ("s " if ps["num_servers"] > 1 else " ")
+                + f": {count(ps['num_workers'], 'worker')}, {count(ps['num_servers'], 'server')} "
                 if (ps := summary.get("ps"))
-                else f"{summary['strategy']} on {summary['world_size']} workers "
+                else f"{summary['strategy']} on {count(summary['world_size'], 'worker')} "
             )
             + f"({summary['backend']}, {summary['device']})",
         ),
