@@ -164,7 +164,7 @@ def describe_recovery(r: dict[str, Any]) -> str:
             return line + " did not train again"
         line += (
             f" noticed in {r['detected_s']:.1f} s and trained on {r['resumed_s']:.1f} s later "
-            f"with {r.get('world_size')} workers, no rollback"
+            f"with {count(r.get('world_size') or 0, 'worker')}, no rollback"
         )
         if r.get("rejoined_step"):
             line += f"; it rejoined at step {r['rejoined_step']} ({r['rejoin_s']:.1f} s)"
@@ -183,7 +183,7 @@ def describe_recovery(r: dict[str, Any]) -> str:
     where = f"from the checkpoint of step {r['step']}" if r.get("step") else "from the start"
     return (
         f"{r['kind']}: {what}; " + (", ".join(timing) + " " if timing else "") + where
-        + f" ({r.get('lost_steps', 0)} steps redone, {r.get('world_size')} workers)"
+        + f" ({r.get('lost_steps', 0)} steps redone, {count(r.get('world_size') or 0, 'worker')})"
     )  # fmt: skip
 
 
