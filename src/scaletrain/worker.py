@@ -140,6 +140,9 @@ def forked(run_dir: str) -> None:
     # stops the workers.
     if os.getsid(0) != os.getpid():
         os.setsid()
+    from scaletrain.launch.forkserver import unblock
+
+    unblock()  # the preemption signals, which the server holds blocked for its group
 
     # Its command line is the fork server's: name it as a started worker's would read, with
     # what /proc/PID/environ no longer tells (that is the server's): its rank, and its role

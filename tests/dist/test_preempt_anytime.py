@@ -103,3 +103,30 @@ def test_a_signal_at_any_moment_exits_3_or_0_and_the_job_ends_the_same(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["params_sha256"] == uninterrupted["params_sha256"], moment
     assert summary["steps"] == TOTAL_STEPS
+
+
+def test_a_signal_to_the_whole_process_group_exits_3_and_the_job_ends_the_same(
+    tmp_path, uninterrupted
+):
+    """SLURM signals every process of a job step, and `timeout` or `kill -TERM -PGID` a whole
+    process group: the launcher's helpers (the fork server every worker is forked from) get
+    it too. The launcher still answers it (checkpoint, exit 3), no helper dies of it and
+    takes the workers along (that ended the job as a failure, exit 1, no checkpoint of its
+    last step), and the same command ends the job with the uninterrupted run's weights."""
+    out = tmp_path / "run"
+    proc = start(*JOB, "--out", str(out))  # its own session: the launcher leads the group
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "index.json").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, (proc.returncode, stderr)
+    assert "preempted by SIGTERM" in stderr and "Traceback" not in stderr, stderr
+    assert_no_orphans(out)
+    again = run_cli("run", *JOB, "--out", str(out))
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["params_sha256"] == uninterrupted["params_sha256"]
+    assert summary["steps"] == TOTAL_STEPS
