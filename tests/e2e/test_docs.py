@@ -70,15 +70,17 @@ def test_the_readme_is_a_front_page():
 
 def documented_commands() -> list[tuple[str, list[str], str]]:
     """Every ``scaletrain`` command line in a shell block of README.md and docs/ (continued
-    lines joined, shell variables of the same block expanded): (page, argv, its comment)."""
+    lines joined, shell variables set earlier on the page expanded): (page, argv, its
+    comment)."""
     import shlex
 
     out = []
     for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         text = page.read_text()
+        variables: dict[str, str] = {}  # a page is one shell session: a variable set stays
         for block in re.findall(r"```(?:bash|sh|text)?\n(.*?)```", text, re.S):
             block = re.sub(r"\\\n\s*", " ", block)
-            variables = dict(re.findall(r'^(\w+)="([^"]*)"', block, re.M))
+            variables |= dict(re.findall(r'^(\w+)="([^"]*)"', block, re.M))
             for line in block.splitlines():
                 line = line.strip().removeprefix("$ ")
                 if not line.startswith("scaletrain ") or "..." in line:
