@@ -29,7 +29,7 @@ def test_the_site_builds_strictly_with_every_flag_and_key(tmp_path):
         assert f"--{name.replace('_', '-')}" in cli, name
         assert f"<code>{name}</code>" in config, name
     # The modes table comes from the pre-start checks themselves: a refusal there shows.
-    modes = config[config.index("Which mode refuses what") :]
+    modes = config[config.index('id="which-mode-refuses-what"') :]
     row = re.search(r"<code>checkpoint_async</code></td>(.*?)</tr>", modes, re.S)
     assert row and row.group(1).count("yes") == 2 and "always write" in row.group(1), row
     commands = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices)
