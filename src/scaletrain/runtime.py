@@ -93,6 +93,28 @@ def apply_determinism(cfg: RunConfig, local_world_size: int) -> None:
         torch.use_deterministic_algorithms(True)
 
 
+# The preemption signals (launch/signals.py), which may reach every process of the launcher's
+# process group at once: SLURM signals every process of a job step, and `timeout` or
+# `kill -TERM -PGID` signal a group. The launcher answers them (checkpoint, then exit 3); the
+# fork server, a helper in the launcher's group, must not die of them, or every worker it
+# forked dies with it (a preempted job then ended as a failure, exit 1, with no checkpoint of
+# its last step). The server starts with them blocked (the mask survives fork and exec:
+# launch/forkserver.py), and every process it forks unblocks them as its first act, once in
+# a session of its own (unblock_group_signals). SIGINT, a terminal's Ctrl-C to the group,
+# the server ignores of its own.
+GROUP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def unblock_group_signals() -> None:
+    """In a process forked by the launcher's fork server (a worker, a probe), once in a
+    session of its own: the preemption signals as a started process has them. One that
+    reached the launcher's group while this process was still in it (it was forked there)
+    is discarded: it was the launcher's to answer."""
+    while signal.sigtimedwait(GROUP_SIGNALS, 0) is not None:
+        pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
+
+
 _STORE_LISTENERS: list[socket.socket] = []
 
 

@@ -34,6 +34,7 @@ from scaletrain.runtime import (
     fleet_context,
     init_distributed,
     redirect_output,
+    unblock_group_signals,
 )
 
 # Objects that hold process groups (DDP's Reducer) stay referenced until os._exit: see exit_now.
@@ -140,9 +141,7 @@ def forked(run_dir: str) -> None:
     # stops the workers.
     if os.getsid(0) != os.getpid():
         os.setsid()
-    from scaletrain.launch.forkserver import unblock
-
-    unblock()  # the preemption signals, which the server holds blocked for its group
+    unblock_group_signals()  # which the fork server holds blocked for its process group
 
     # Its command line is the fork server's: name it as a started worker's would read, with
     # what /proc/PID/environ no longer tells (that is the server's): its rank, and its role

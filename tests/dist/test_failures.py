@@ -40,6 +40,9 @@ def _blocked_dead_or_symptom(run_dir: str) -> None:
     import signal
     import time
 
+    from scaletrain.runtime import unblock_group_signals
+
+    unblock_group_signals()  # as every process forked from the fork server does first
     marks = Path(run_dir) / "marks"
     rank = int(os.environ["LOCAL_RANK"])
     if rank == 2:

@@ -313,6 +313,9 @@ def _forked_rank(rank: int, world: int, endpoint: str, args: tuple[Any, ...], ou
     of its own, its output (rank 0's JSON line, any rank's error) to the file ``out``."""
     if os.getsid(0) != os.getpid():
         os.setsid()
+    from scaletrain.runtime import unblock_group_signals
+
+    unblock_group_signals()
     os.environ.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     with open(out, "w") as sink:
         os.dup2(sink.fileno(), 1)

@@ -58,17 +58,6 @@ PRELOAD = [
 ]
 
 
-# The preemption signals (launch/signals.py), which may reach every process of the launcher's
-# process group at once: SLURM signals every process of a job step, and `timeout` or
-# `kill -TERM -PGID` signal a group. The launcher answers them (checkpoint, then exit 3); the
-# fork server, a helper in the launcher's group, must not die of them, or every worker it
-# forked dies with it (a preempted job then ended as a failure, exit 1, with no checkpoint of
-# its last step). The server starts with them blocked (the mask survives fork and exec), and
-# a worker unblocks them as its first act, once it has a session of its own (``unblock``).
-# SIGINT, a terminal's Ctrl-C to the group, the server ignores of its own.
-GROUP_SIGNALS: Final = (signal.SIGTERM, signal.SIGUSR1)
-
-
 def prepare() -> None:
     """The fork server, when the agent first starts workers (after the rendezvous), will
     import PRELOAD. Not sooner: started with the launcher, its imports competed with the
@@ -83,11 +72,14 @@ def prepare() -> None:
 
 def _start_with_group_signals_blocked() -> None:
     """Wrap the fork server's start (multiprocessing starts it on the first fork it is asked
-    for, in whichever thread asks): the thread that starts it blocks GROUP_SIGNALS for the
-    moment of the spawn, so the server inherits them blocked; a signal that arrives then
-    stays pending for the launcher, not lost. This reaches into multiprocessing's one
-    ForkServer instance (its ``ensure_running``, which every fork request calls first)."""
+    for, in whichever thread asks): the thread that starts it blocks the preemption signals
+    (runtime.GROUP_SIGNALS says why) for the moment of the spawn, so the server inherits
+    them blocked; a signal that arrives then stays pending for the launcher, not lost. This
+    reaches into multiprocessing's one ForkServer instance (its ``ensure_running``, which
+    every fork request calls first)."""
     from multiprocessing import forkserver as mp_forkserver
+
+    from scaletrain.runtime import GROUP_SIGNALS
 
     server = mp_forkserver._forkserver  # type: ignore[attr-defined]
     if getattr(server, "scaletrain_guarded", False):
@@ -103,15 +95,6 @@ def _start_with_group_signals_blocked() -> None:
 
     server.ensure_running = ensure_running  # type: ignore[method-assign]
     server.scaletrain_guarded = True  # type: ignore[attr-defined]
-
-
-def unblock() -> None:
-    """In a forked worker, in its own session: the preemption signals as a started process
-    has them. One that reached the launcher's group while this process was still in it (it
-    was forked there) is discarded: it was the launcher's to answer."""
-    while signal.sigtimedwait(GROUP_SIGNALS, 0) is not None:
-        pass
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
 
 
 class ForkedProcess:
