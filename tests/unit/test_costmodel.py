@@ -150,22 +150,27 @@ def test_fit_link_recovers_latency_and_bandwidth():
     assert got_lat == pytest.approx(lat) and got_bw == pytest.approx(bw)
 
 
+def recorded_calibration(record: dict, latency: float, bandwidth: float) -> Calibration:
+    """The model as benchmarks/costmodel.py calibrated it (``record``), over one link."""
+    c = record["calibration"]
+    return Calibration(
+        compute_s=c["compute_s"], batch_size=c["batch_size"], grad_bytes=c["grad_bytes"],
+        latency_s=latency, bandwidth_Bps=bandwidth, cores=record["cores"],
+        colocated_slowdown=c["colocated_slowdown"],
+        collective_cpu_per_byte=c.get("collective_cpu_per_byte", 0.0),
+    )  # fmt: skip
+
+
 def test_predictions_within_20_percent_of_recorded_measurements():
     """benchmarks/costmodel.py calibrated the model from a 1-worker run, 2 workers that never
     synchronize (against 1 alone), all-reduce probes and the CPU of an all-reduce of the
     gradients among 4 processes on the 2 cores, then measured these configurations for real
     (2-core machine, loopback and a 100 Mbit/s tc-shaped link)."""
     record = json.loads(RECORDED.read_text())
-    c = record["calibration"]
     assert len(record["measured"]) >= 5
     for row in record["measured"]:
         latency, bandwidth = record["links"][row["network"]]
-        model = Calibration(
-            compute_s=c["compute_s"], batch_size=c["batch_size"], grad_bytes=c["grad_bytes"],
-            latency_s=latency, bandwidth_Bps=bandwidth, cores=record["cores"],
-            colocated_slowdown=c["colocated_slowdown"],
-            collective_cpu_per_byte=c.get("collective_cpu_per_byte", 0.0),
-        )  # fmt: skip
+        model = recorded_calibration(record, latency, bandwidth)
         predicted = predict_method(model, row["method"], row["workers"]).step_s
         assert predicted / row["measured_step_s"] == pytest.approx(1, abs=0.2), row
 
@@ -178,15 +183,9 @@ def test_the_command_line_reproduces_the_recorded_predictions(capsys):
     from scaletrain.cli import predict_argv, run_command
 
     record = json.loads(RECORDED.read_text())
-    c = record["calibration"]
     checked = 0
     for network, (latency, bandwidth) in record["links"].items():
-        model = Calibration(
-            compute_s=c["compute_s"], batch_size=c["batch_size"], grad_bytes=c["grad_bytes"],
-            latency_s=latency, bandwidth_Bps=bandwidth, cores=record["cores"],
-            colocated_slowdown=c["colocated_slowdown"],
-            collective_cpu_per_byte=c.get("collective_cpu_per_byte", 0.0),
-        )  # fmt: skip
+        model = recorded_calibration(record, latency, bandwidth)
         rows = [r for r in record["measured"] if r["network"] == network]
         workers = sorted({r["workers"] for r in rows})
         methods = list(dict.fromkeys(r["method"] for r in rows))
