@@ -13,7 +13,7 @@ import pytest
 
 from scaletrain.config import RunConfig, with_overrides
 from scaletrain.launch import describe_plan
-from tests.conftest import assert_no_orphans, run_cli
+from tests.conftest import assert_no_orphans, run_cli, stress_only
 
 DIGITS = 1437  # training samples of the built-in digits set
 
@@ -71,6 +71,9 @@ def test_survivors_continue_and_a_restarted_worker_rejoins(tmp_path):
     assert_no_orphans(out)
 
 
+# Compression in place runs in make test's modes matrix (bf16, no fault) and a kill in
+# place in the test above; the two together in every make stress round (make test's budget).
+@stress_only
 def test_compressed_gradients_in_place_survive_a_kill(tmp_path):
     """--compression bf16 in place: the gradient all-reduce goes in bf16 on torchft's group
     (half the bytes), a SIGKILLed replica is restarted and heals, every sample once."""

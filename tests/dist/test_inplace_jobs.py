@@ -19,7 +19,7 @@ from scaletrain.fault.jobs import job_runs_path
 from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
 from scaletrain.io import append_jsonl, read_jsonl
 from scaletrain.launch.jobs import plan_job_run
-from tests.conftest import assert_no_orphans, kill_job, run_cli
+from tests.conftest import assert_no_orphans, kill_job, run_cli, stress_only
 from tests.dist.test_jobs import start, wait_for_step
 
 DIGITS = 1437  # training samples of the built-in digits set
@@ -152,6 +152,7 @@ def test_every_replica_lost_at_once_continues_from_the_checkpoint_in_the_same_la
     assert_no_orphans(out)
 
 
+@stress_only  # make test's budget: every make stress round runs it
 def test_a_replica_lost_before_the_continued_job_commits_heals_from_a_resumed_peer(
     tmp_path, inplace_uninterrupted
 ):
@@ -186,6 +187,7 @@ def test_a_replica_lost_before_the_continued_job_commits_heals_from_a_resumed_pe
     assert_no_orphans(out)
 
 
+@stress_only  # make test's budget: every make stress round runs it
 def test_a_job_killed_after_its_last_checkpoint_finishes_without_training(tmp_path):
     """The job was lost after the checkpoint of its last step and before its summary (the
     state such a kill leaves: the job run not ended, no summary, no final reports). The

@@ -17,7 +17,7 @@ import pytest
 
 from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
 from scaletrain.io import read_jsonl
-from tests.conftest import REPO, assert_no_orphans, kill_job, run_cli
+from tests.conftest import REPO, assert_no_orphans, kill_job, run_cli, stress_only
 
 DIGITS = 1437  # training samples of the built-in digits set
 # 23 steps an epoch with 2 workers x 32; --deterministic so runs compare bit for bit.
@@ -56,6 +56,9 @@ def uninterrupted(tmp_path_factory):
     return summary(out)
 
 
+# Preemption of a run at its checkpoint, in make test: test_preempt_anytime.py (there to the
+# launcher's whole process group); this one, to the launcher alone, in every make stress round.
+@stress_only
 def test_preempted_job_checkpoints_exits_3_and_resumes_bit_identical(tmp_path, uninterrupted):
     out = tmp_path / "run"
     # Slowed (as slower hardware: sleeps, same math) so SIGTERM lands mid-run.

@@ -198,6 +198,9 @@ def test_ssp_bound_holds_end_to_end(tmp_path, staleness, workers):
     assert largest_lead(records) == staleness
 
 
+# A server's death and restart from its checkpoint: make test has the hung and the frozen
+# server's (both restarted from their checkpoints); this one in every make stress round.
+@stress_only  # make test's budget: every make stress round runs it
 def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
     out = tmp_path / "run"
     # Adam on the servers (its state is in the checkpoint too). SGD with momentum 0.9 at

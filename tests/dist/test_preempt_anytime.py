@@ -2,7 +2,13 @@
 by an event of the run (its handlers in place, the run directory written, the first step,
 a checkpoint, an evaluation, the last step, summary.json), never by a sleep. Each ends with
 exit 3, or 0 where the job had finished, and the same command then ends the job with the
-weights of the uninterrupted run, bit for bit. Real launchers, real signals, real gloo."""
+weights of the uninterrupted run, bit for bit. Real launchers, real signals, real gloo.
+
+At the checkpoint the signal goes to the launcher's whole process group, as SLURM (every
+process of a job step), `timeout` and `kill -TERM -PGID` send it: the launcher's helpers (the
+fork server every worker is forked from) get it too. The launcher still answers it
+(checkpoint, exit 3), and no helper dies of it and takes the workers along (that ended the
+job as a failure, exit 1, with no checkpoint of its last step)."""
 
 from __future__ import annotations
 
@@ -57,6 +63,12 @@ MOMENTS: dict[str, tuple[Callable[[Path, int], bool], set[int]]] = {
 }  # fmt: skip
 # make test sends the signal at these; make stress at every moment (SCALETRAIN_STRESS_SEED set).
 QUICK = ("start-up", "checkpoint", "summary")
+# Which signal each moment sends (both preemption signals in make test's three), and the
+# moment whose signal goes to the launcher's whole process group.
+SIGNALS = {"start-up": "SIGTERM", "run-directory": "SIGUSR1", "first-step": "SIGUSR1",
+           "checkpoint": "SIGTERM", "evaluation": "SIGUSR1", "last-step": "SIGTERM",
+           "summary": "SIGUSR1"}  # fmt: skip
+TO_THE_GROUP = "checkpoint"
 
 
 def moments() -> list[str]:
@@ -79,14 +91,14 @@ def test_a_signal_at_any_moment_exits_3_or_0_and_the_job_ends_the_same(
 ):
     out = tmp_path / "run"
     event, codes = MOMENTS[moment]
-    name = "SIGUSR1" if list(MOMENTS).index(moment) % 2 else "SIGTERM"
-    proc = start(*JOB, "--out", str(out))
+    name = SIGNALS[moment]
+    proc = start(*JOB, "--out", str(out))  # its own session: the launcher leads the group
     deadline = time.monotonic() + 120
     while not event(out, proc.pid):
         assert proc.poll() is None, f"the run ended before {moment}: {proc.communicate()}"
         assert time.monotonic() < deadline, f"no {moment} within 120 s"
         time.sleep(0.005)
-    os.kill(proc.pid, getattr(signal, name))
+    (os.killpg if moment == TO_THE_GROUP else os.kill)(proc.pid, getattr(signal, name))
     stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode in codes, (moment, proc.returncode, stderr)
     assert "Traceback" not in stderr
@@ -102,31 +114,4 @@ def test_a_signal_at_any_moment_exits_3_or_0_and_the_job_ends_the_same(
         assert "is complete" in again.stdout, again.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["params_sha256"] == uninterrupted["params_sha256"], moment
-    assert summary["steps"] == TOTAL_STEPS
-
-
-def test_a_signal_to_the_whole_process_group_exits_3_and_the_job_ends_the_same(
-    tmp_path, uninterrupted
-):
-    """SLURM signals every process of a job step, and `timeout` or `kill -TERM -PGID` a whole
-    process group: the launcher's helpers (the fork server every worker is forked from) get
-    it too. The launcher still answers it (checkpoint, exit 3), no helper dies of it and
-    takes the workers along (that ended the job as a failure, exit 1, no checkpoint of its
-    last step), and the same command ends the job with the uninterrupted run's weights."""
-    out = tmp_path / "run"
-    proc = start(*JOB, "--out", str(out))  # its own session: the launcher leads the group
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoints" / "index.json").exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "no checkpoint within 120 s"
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=180)
-    assert proc.returncode == PREEMPTED_EXIT_CODE, (proc.returncode, stderr)
-    assert "preempted by SIGTERM" in stderr and "Traceback" not in stderr, stderr
-    assert_no_orphans(out)
-    again = run_cli("run", *JOB, "--out", str(out))
-    assert again.returncode == 0, again.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["params_sha256"] == uninterrupted["params_sha256"]
     assert summary["steps"] == TOTAL_STEPS

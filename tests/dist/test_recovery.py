@@ -42,7 +42,9 @@ def clean_hash(tmp_path_factory):
     return summary_of(clean)["params_sha256"]
 
 
-@pytest.mark.parametrize("saving", ["sync", "async"])
+# Asynchronous saves in every make stress round (make test's budget; make test kills a run
+# with asynchronous checkpoints in test_resume_property.py and the modes matrix).
+@pytest.mark.parametrize("saving", ["sync", pytest.param("async", marks=stress_only)])
 def test_killed_worker_restarts_from_checkpoint_with_identical_weights(
     tmp_path, clean_hash, saving
 ):
@@ -81,6 +83,7 @@ def test_killed_worker_restarts_from_checkpoint_with_identical_weights(
     assert_no_orphans(killed)
 
 
+@stress_only  # make test's budget: every make stress round runs it
 def test_a_death_right_after_a_checkpoint_step_resumes_from_that_checkpoint(tmp_path):
     """Rank 0 is slowed (it sleeps after each step's compute, before it saves) and rank 1
     dies just before the step after a checkpoint. A rank passes a synchronous save only once
@@ -98,6 +101,7 @@ def test_a_death_right_after_a_checkpoint_step_resumes_from_that_checkpoint(tmp_
     assert_no_orphans(out)
 
 
+@stress_only  # make test's budget: every make stress round runs it
 def test_an_empty_error_file_is_a_death_like_any_other_and_the_job_restarts(tmp_path):
     """torch's agent raised on an empty error file (a survivor SIGTERMed while writing it)
     and the launcher once reported that as bad input (exit 2): now it is a restart."""
@@ -112,6 +116,7 @@ def test_an_empty_error_file_is_a_death_like_any_other_and_the_job_restarts(tmp_
     assert_no_orphans(out)
 
 
+@stress_only  # make test's budget: every make stress round runs it
 def test_a_restart_that_fails_again_before_its_checkpoint_is_still_reported(tmp_path, clean_hash):
     """Rank 1 dies at step 6, and again at the first step of the restarted group, before that
     attempt writes a checkpoint. The third attempt resumes from the checkpoint of step 4,
@@ -176,6 +181,7 @@ def test_hung_worker_is_detected_named_and_recovered(tmp_path, clean_hash):
     assert_no_orphans(hung)
 
 
+@stress_only  # make test's budget: every make stress round runs it
 def test_hang_without_restarts_fails_with_a_report_not_a_stall(tmp_path):
     out = tmp_path / "run"
     result = run_cli("run", *COMMON, "--hang-timeout-s", "4", "--inject", "hang:rank=0:step=3",
@@ -198,7 +204,12 @@ def test_hang_without_restarts_fails_with_a_report_not_a_stall(tmp_path):
         ("corrupt-checkpoint:step=6", "rank0.log", "sha256 differs"),
         # Rank 1's own state (RNG) file of step 6: rank 0's checkpoint is whole, but resuming
         # from it would give rank 1 another random stream. Every rank skips it together.
-        ("corrupt-checkpoint:step=6:rank=1", "rank1.log", "sha256 does not match"),
+        pytest.param(
+            "corrupt-checkpoint:step=6:rank=1",
+            "rank1.log",
+            "sha256 does not match",
+            marks=stress_only,
+        ),  # every make stress round (make test's budget)
     ],
     ids=["checkpoint", "rank-state-file"],
 )
