@@ -122,6 +122,7 @@ def test_max_steps_ends_every_replica_at_that_step(tmp_path):
     assert [r["rank"] for r in summary["per_rank"]] == [0, 1]  # both reported
 
 
+@stress_only  # make test's budget: every make stress round runs it
 def test_a_slow_replica_is_waited_for_not_healed_at_every_step(tmp_path):
     """Three replicas, one much slower: every step's quorum waits for it (it is alive), so
     all three contribute to every step. With a 100 ms join timeout the lighthouse formed

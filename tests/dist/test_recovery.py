@@ -268,6 +268,8 @@ def test_node_lost_mid_epoch_survivors_train_each_sample_once(tmp_path):
     assert_no_orphans(out)
 
 
+# A world of another size after a failure: make test has the lost node's (3 -> 2).
+@stress_only  # make test's budget: every make stress round runs it
 def test_a_node_joining_late_grows_the_world_in_a_new_attempt(tmp_path):
     """--nnodes 1:2: node 0 trains alone, then node 1 joins and the agents stop the healthy
     world to form one of two. Neither agent counts that as a restart (both restart counts
@@ -320,6 +322,7 @@ def test_nodes_without_a_shared_run_directory_are_told_so_on_restart(tmp_path):
     assert not (outs[0] / "summary.json").exists()
 
 
+@stress_only  # make test's budget: every make stress round runs it
 def test_a_node_whose_peer_ended_the_job_reports_its_own_failure_not_the_rendezvous(tmp_path):
     """torch's agents can count restarts left differently: a restart that a node makes because
     a peer waits to rejoin is not counted. Made certain here: rank 0 hangs before step 5 (so
