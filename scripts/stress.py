@@ -57,6 +57,7 @@ FAULT_TESTS = [
     "tests/dist/test_inplace.py",
     "tests/dist/test_inplace_jobs.py",
     "tests/dist/test_inplace_rounds.py",
+    "tests/dist/test_inplace_hsdp.py",
     "tests/dist/test_failures.py",
     "tests/dist/test_jobs.py",
     "tests/dist/test_preempt_anytime.py",  # every moment under a stress seed (3 in make test)

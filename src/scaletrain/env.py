@@ -17,6 +17,7 @@ PS_ROLE = "SCALETRAIN_PS_ROLE"  # ps: "worker" or "server"
 PS_STORE = "SCALETRAIN_PS_STORE"  # ps: HOST:PORT of the job's store
 LIGHTHOUSE = "SCALETRAIN_LIGHTHOUSE"  # inplace: URL of torchft's lighthouse
 ADDR = "SCALETRAIN_ADDR"  # inplace: this node's address, where a replica listens
+GROUP_PORT = "SCALETRAIN_GROUP_PORT"  # inplace HSDP: the port of the replica group's store
 JOB_RUN = "SCALETRAIN_JOB_RUN"  # which run of the job this is (launch/jobs.py)
 ATTEMPT_BASE = "SCALETRAIN_ATTEMPT_BASE"  # the first attempt number of this job run
 AGENT_PID = "SCALETRAIN_AGENT_PID"  # the process that supervises this one (forkserver.py)

@@ -48,15 +48,24 @@ def reserved_port() -> int:
     there). The kernel hands out neither for bind(0) nor for an outgoing connection a port
     that a socket is bound to; rank 0 binds it beside this one with SO_REUSEPORT
     (worker_store), which only processes of this user may do."""
+    held = holding_socket()
+    while _RESERVED:  # the last one's store is gone: its workers were stopped
+        _RESERVED.pop().close()
+    _RESERVED.append(held)
+    return int(held.getsockname()[1])
+
+
+def holding_socket() -> socket.socket:
+    """A socket bound to a free port on every IPv4 address, never listening: while it is
+    open, no other process gets that port (reserved_port says why); a store binds it beside
+    this one with SO_REUSEPORT. The caller keeps it, and closes it when the port's user is
+    gone."""
     held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if hasattr(socket, "SO_REUSEPORT"):
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     held.bind(("0.0.0.0", 0))
-    while _RESERVED:  # the last one's store is gone: its workers were stopped
-        _RESERVED.pop().close()
-    _RESERVED.append(held)
-    return int(held.getsockname()[1])
+    return held
 
 
 def listen_socket(addr: str, port: int, *, reuse_port: bool = False) -> socket.socket:

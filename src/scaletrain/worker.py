@@ -63,6 +63,7 @@ def main(argv: list[str]) -> None:
     )
     # Imported here, under @record: an import error (a broken install, a user task's module)
     # then reaches the error file and the launcher's report like any other failure.
+    from scaletrain.data.plans import RunEnded
     from scaletrain.fault.inject import record_fired_in
     from scaletrain.fault.jobs import current_job_run
     from scaletrain.metrics.phases import mark
@@ -91,7 +92,11 @@ def main(argv: list[str]) -> None:
     ctx = init_distributed(cfg) if mode == "restart" else fleet_context(cfg, mode)
     mark("group")
     try:
-        trainer = Trainer(cfg, ctx, build_task(cfg), run_dir)
+        try:
+            trainer = Trainer(cfg, ctx, build_task(cfg), run_dir)
+        except RunEnded as e:  # in place: a replica restarted as the others finished
+            log.info("%s", e)
+            return
         mark("model")
         _KEEP_ALIVE.append(trainer)
         summary = trainer.fit()

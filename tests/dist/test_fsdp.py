@@ -95,3 +95,18 @@ def test_hsdp_checkpoint_restart_gives_identical_weights(tmp_path, hsdp):
     )  # fmt: skip
     assert run["summary"]["recoveries"][0]["step"] == 4, run["summary"]["recoveries"]
     assert all(torch.equal(killed[k], weights[k]) for k in weights)
+
+
+def test_hsdp_in_place_trains_as_the_restart_mode_does(tmp_path, hsdp):
+    """The same 2 groups x 2 ranks in place (torchft's quorum and all-reduce across the
+    groups, FSDP within each: tests/dist/test_inplace_hsdp.py kills one): the same data split
+    and the same two means as the restart mode's 2-D mesh, so the same weights, bit for bit,
+    the uneven last step of each epoch included; each rank holds its group's share."""
+    weights, restart = hsdp
+    ours, run = train(tmp_path, 4, 115, strategy="fsdp", replica_size=2, recovery="inplace")
+    summary = run["summary"]
+    assert summary["recovery"] == "inplace" and summary["replicas_agree"]
+    assert summary["hsdp"] == {"replica_size": 2, "replica_groups": 2}
+    assert all(torch.equal(ours[k], weights[k]) for k in weights)
+    memory = {r["rank"]: r["memory"] for r in summary["per_rank"]}
+    assert memory == {r["rank"]: r["memory"] for r in restart["summary"]["per_rank"]}

@@ -164,8 +164,29 @@ def test_a_replica_that_reached_the_end_finishes_after_a_peer_did(tmp_path):
 def test_inplace_refuses_what_it_cannot_do():
     base = {"recovery": "inplace"}
     for overrides, message in [
-        ({"strategy": "fsdp"}, "--recovery inplace runs data parallel training"),
-        ({"strategy": "fsdp", "replica_size": 2}, "not in place yet"),
+        ({"strategy": "pipeline"}, "--recovery inplace runs data parallel training"),
+        # fsdp in place: whole replica groups (tests/dist/test_inplace_hsdp.py), 2 at least,
+        # on one node each; persistent checkpoints and --balance speed not with them yet.
+        ({"strategy": "fsdp"}, "pass --replica-size R"),
+        ({"strategy": "fsdp", "replica_size": 4, "nproc_per_node": 4}, "at least 2 replica"),
+        (
+            {"strategy": "fsdp", "replica_size": 2, "nproc_per_node": 4, "checkpoint_every": 5},
+            "does not write persistent checkpoints yet",
+        ),
+        (
+            {"strategy": "fsdp", "replica_size": 2, "nproc_per_node": 4, "balance": "speed"},
+            "not built for groups yet",
+        ),
+        (
+            {
+                "strategy": "fsdp",
+                "replica_size": 2,
+                "nproc_per_node": 3,
+                "nnodes": "2",
+                "rdzv_endpoint": "127.0.0.1:29999",
+            },
+            "must divide --nproc-per-node",
+        ),
         ({"nnodes": "1:2", "rdzv_endpoint": "127.0.0.1:29999"}, "starts a fixed set of replicas"),
         ({"compression": "powersgd:rank=2"}, "carries fp16 and bf16 gradients, not powersgd"),
         ({"compression": "topk"}, "torchft carries only all-reduces"),

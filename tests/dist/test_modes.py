@@ -87,8 +87,7 @@ REFUSED = {
     ("ps", "inject corrupt"): "the servers keep checkpoints of their own",
     ("ps", "balance"): "leases are dealt by the servers",
     ("ps", "compression"): "the servers take whole gradients",
-    ("inplace", "replica-size"): "a replica is one process: HSDP in place is not built yet",
-    ("inplace-rounds", "replica-size"): "as in place",
+    ("inplace-rounds", "replica-size"): "replica groups are fsdp's",
     ("ps", "replica-size"): "the servers hold the parameters; replica groups are fsdp's",
 }
 # Cells that run together (one run per group and mode, with every flag of the group that

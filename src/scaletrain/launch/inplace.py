@@ -29,6 +29,15 @@ after that checkpoint are redone and accounted as a job's resume is (summary.jso
 ``recoveries``). Across nodes a replica of another node may still hold the state, which this
 node cannot see: there the job run fails as before and the same command continues it.
 
+Replica groups (HSDP in place: ``--strategy fsdp --replica-size R``): a replica is a group
+of R consecutive ranks that shard the model among themselves with FSDP over a process group
+of their own, whose store listens on a port the supervisor holds for the group
+(net.holding_socket; env.GROUP_PORT). A rank that dies leaves its group's collectives hung,
+so the supervisor ends its group mates at once (each recorded as stopped with its group) and
+restarts the whole group, on a fresh port, each rank spending one of its --max-restarts;
+the other groups train on, and the restarted one heals its shards, rank by rank, from a
+live group (strategies/inplace_hsdp.py).
+
 Across nodes (``--nnodes N``), node i's supervisor runs replicas ``i*nproc ..``; node 0 hosts
 the lighthouse at --rdzv-endpoint (listening on --bind, by default that address), and every
 replica listens on, and advertises, its node's address (env.ADDR). The run directory is
@@ -91,6 +100,11 @@ class Supervisor(JobFleet):
         self._clear_finals()
         self.spent = [0] * self.world  # restarts used in this launcher's earlier job runs
         self.lighthouse: Any = None
+        # HSDP in place: groups of this many ranks restart together, each with a store.
+        self.grouped = cfg.train.strategy == "fsdp"
+        self.group_size = cfg.parallel.replica_size if self.grouped else 1
+        self.group_ports: dict[int, Any] = {}  # group -> the socket holding its store's port
+        self._stopped_with: dict[int, int] = {}  # a group mate ended -> the rank that died
         if self.nnodes == 1:
             self.host, self.port, self.addr = "127.0.0.1", 0, "127.0.0.1"
         else:
@@ -122,12 +136,54 @@ class Supervisor(JobFleet):
         self.lighthouse_url = f"http://{url_host(self.host)}:{port}"
 
     def env(self, rank: int) -> dict[str, str]:
+        extra = {}
+        if self.grouped:
+            group = rank // self.group_size
+            if group not in self.group_ports:
+                self._new_group_port(group)
+            extra[env.GROUP_PORT] = str(self.group_ports[group].getsockname()[1])
         return {
             **super().env(rank),
             env.LIGHTHOUSE: self.lighthouse_url,
             env.ADDR: self.addr,
             env.MODE: "inplace",
+            **extra,
         }
+
+    # -- replica groups (HSDP in place) ------------------------------------------------------
+    def group_of(self, rank: int) -> list[int]:
+        first = rank - rank % self.group_size
+        return list(range(first, first + self.group_size))
+
+    def _new_group_port(self, group: int) -> None:
+        """A fresh port for ``group``'s store: the old one may still be in TIME_WAIT, or held
+        by a store that a killed rank's children have not let go of yet."""
+        from scaletrain.net import holding_socket
+
+        old = self.group_ports.pop(group, None)
+        if old is not None:
+            old.close()
+        self.group_ports[group] = holding_socket()
+
+    def _stop_mates(self, rank: int) -> list[tuple[int, int]]:
+        """End the live ranks of ``rank``'s group (their collectives wait on it in vain):
+        each (mate, exit code), out of the fleet's watch."""
+        stopped = []
+        for mate in self.group_of(rank):
+            proc = self.procs.pop(mate, None) if mate != rank else None
+            if proc is None:
+                continue
+            proc.kill()
+            code = proc.wait()
+            stopped.append((mate, -9 if code is None else code))
+            self._stopped_with[mate] = rank
+        return stopped
+
+    def cause_of(self, rank: int, code: int) -> str:
+        died = self._stopped_with.pop(rank, None)
+        if died is not None:
+            return f"stopped with its replica group: rank {died} of the group died"
+        return super().cause_of(rank, code)
 
     def may_restart(self, rank: int) -> bool:
         # Once a replica has finished, the run is over: nothing to rejoin. Restarts spent in
@@ -137,18 +193,24 @@ class Supervisor(JobFleet):
 
     # -- every replica lost at once: the next job run, in this launcher ----------------------
     def _died(self, rank: int, code: int) -> None:
+        mates = self._stop_mates(rank) if self.grouped else []
         # Across nodes, the other nodes' launchers hold replicas this one cannot see.
         healing = self._healing_without(rank) if self.nnodes == 1 else None
         if healing is not None and self._may_begin_again(healing):
-            self._begin_job_run(rank, code, healing)
-        else:
-            super()._died(rank, code)
+            self._begin_job_run(rank, code, healing, mates)
+            return
+        if self.grouped:
+            self._new_group_port(rank // self.group_size)
+        for r, exit_code in [(rank, code), *mates]:
+            super()._died(r, exit_code)
 
     def _healing_without(self, rank: int) -> set[int] | None:
-        """The live replicas other than ``rank``, when none of them holds the training state
-        (each is a restarted one that has not committed a step yet: it is still healing);
-        None when one holds it (it started with the job run, or committed a step since)."""
-        alive = {r for r, proc in self.procs.items() if r != rank and proc.poll() is None}
+        """The live replicas outside ``rank``'s (its group's ranks under HSDP), when none of
+        them holds the training state (each is a restarted one that has not committed a step
+        yet: it is still healing); None when one holds it (it started with the job run, or
+        committed a step since)."""
+        group = set(self.group_of(rank))
+        alive = {r for r, proc in self.procs.items() if r not in group and proc.poll() is None}
         if any(self.attempts[r] == 0 for r in alive):
             return None
         healed = {(r["rank"], r["attempt"]) for r in self.job_run_records()}
@@ -167,12 +229,15 @@ class Supervisor(JobFleet):
             self.spent[r] + self._charge(r, healing) <= limit for r in self.local
         )
 
-    def _begin_job_run(self, rank: int, code: int, healing: set[int]) -> None:
+    def _begin_job_run(
+        self, rank: int, code: int, healing: set[int], mates: list[tuple[int, int]]
+    ) -> None:
         from scaletrain.launch.fleet import describe_exit
         from scaletrain.launch.jobs import JobRun, end_job_run, next_attempt, start_job_run
 
-        # It, and the others found dead in the same pass (killed together).
-        lost = [(rank, code)] + [
+        # It, its group mates ended with it, and the others found dead in the same pass
+        # (killed together).
+        lost = [(rank, code), *mates] + [
             (r, died) for r, proc in self.procs.items()
             if r != rank and (died := proc.poll()) is not None and died != 0
         ]  # fmt: skip
@@ -196,6 +261,8 @@ class Supervisor(JobFleet):
         self.started_at = time.time()
         self._clear_finals()
         self._start_lighthouse()  # a fresh one, as the same command would start
+        for group in list(self.group_ports):
+            self._new_group_port(group)
         for r in self.local:
             self.start(r)
 
@@ -208,6 +275,8 @@ class Supervisor(JobFleet):
         finally:
             if self.lighthouse is not None:
                 self.lighthouse.shutdown()
+            for held in self.group_ports.values():
+                held.close()
         request = preemption_request(self.run_dir)
         if request is not None:  # every replica left after checkpointing (fleet_stopper)
             index = read_index(self.run_dir / "checkpoints")
@@ -278,6 +347,9 @@ class Supervisor(JobFleet):
         main = max(finals, key=lambda f: (f.step, f.wall_s))
         cfg = self.cfg
         extras: dict[str, Any] = {"recovery": "inplace"}
+        if self.grouped:
+            extras["hsdp"] = {"replica_size": self.group_size,
+                              "replica_groups": self.world // self.group_size}  # fmt: skip
         if main.checkpointing.get("mode", "none") != "none":
             # The saves of every replica that wrote some (the writer changes with the quorum).
             extras["checkpointing"] = {

@@ -24,8 +24,9 @@ from __future__ import annotations
 from scaletrain.config import RunConfig, parse_nnodes
 
 MODES = ("restart", "inplace", "ps")
-# The strategies --recovery inplace runs (strategies/inplace.py, inplace_rounds.py).
-INPLACE_STRATEGIES = ("ddp", "local_sgd", "diloco")
+# The strategies --recovery inplace runs (strategies/inplace.py, inplace_rounds.py; fsdp in
+# replica groups: inplace_hsdp.py).
+INPLACE_STRATEGIES = ("ddp", "local_sgd", "diloco", "fsdp")
 
 
 # Compressors in-place recovery cannot carry, and why (fp16 and bf16 it can: one all-reduce
@@ -59,15 +60,11 @@ def refusals(cfg: RunConfig) -> list[str]:
         name = "--recovery inplace"
         if cfg.train.strategy not in INPLACE_STRATEGIES:
             out.append(
-                f"recovery: {name} runs data parallel training (--strategy ddp, local_sgd or "
-                f"diloco), not {cfg.train.strategy!r}"
+                f"recovery: {name} runs data parallel training (--strategy ddp, local_sgd, "
+                f"diloco, or fsdp in replica groups), not {cfg.train.strategy!r}"
             )
-        if cfg.parallel.replica_size:
-            out.append(
-                f"replica_size: {name} runs replicas of one process each; replica groups of "
-                "several ranks sharding the model (HSDP) run in the restart mode, not in place "
-                "yet"
-            )
+        if cfg.train.strategy == "fsdp":
+            out += _hsdp_refusals(cfg, name)
         if cfg.train.strategy in ("local_sgd", "diloco") and cfg.train.balance == "speed":
             out.append(
                 f"balance: under {name} --strategy {cfg.train.strategy} deals a round of "
@@ -116,6 +113,40 @@ def refusals(cfg: RunConfig) -> list[str]:
                 f"inject: corrupt-checkpoint damages the trainer's checkpoints; under {name} "
                 "the servers keep their own"
             )
+    return out
+
+
+def _hsdp_refusals(cfg: RunConfig, name: str) -> list[str]:
+    """What fsdp in place (replica groups: strategies/inplace_hsdp.py) does not do yet."""
+    out = []
+    size = cfg.parallel.replica_size
+    if not size:
+        out.append(
+            f"recovery: {name} --strategy fsdp recovers whole replica groups, each "
+            "sharding the model over its ranks (HSDP): pass --replica-size R (R ranks a "
+            "group, at least 2 groups)"
+        )
+    elif size >= cfg.launch.nproc_per_node * parse_nnodes(cfg.launch.nnodes)[0]:
+        out.append(
+            f"replica_size: {name} needs at least 2 replica groups to heal one from another; "
+            f"--replica-size {size} makes one of the whole world"
+        )
+    if cfg.fault.checkpoints_on:
+        out.append(
+            f"checkpoint_every: {name} with replica groups does not write persistent "
+            "checkpoints yet (each rank of one group would write its shards); a lost group "
+            "heals from a live one"
+        )
+    if cfg.train.balance == "speed":
+        out.append(
+            f"balance: {name} with replica groups splits every step evenly; --balance speed "
+            "is not built for groups yet"
+        )
+    if size and cfg.launch.nproc_per_node % size:
+        out.append(
+            f"replica_size: {name} keeps each replica group on one node: --replica-size "
+            f"{size} must divide --nproc-per-node {cfg.launch.nproc_per_node}"
+        )
     return out
 
 

@@ -26,6 +26,8 @@ _CLASSES: dict[str, str] = {
 }
 # local_sgd and diloco in place: rounds with the quorum at each synchronization.
 _INPLACE_ROUNDS = "scaletrain.strategies.inplace_rounds:InplaceRoundsStrategy"
+# fsdp in place: replica groups (HSDP), the quorum across them.
+_INPLACE_HSDP = "scaletrain.strategies.inplace_hsdp:InplaceHSDPStrategy"
 # What a mode runs in place of the strategy the user named (the launcher checks the pair).
 _MODE_CLASSES: dict[str, str] = {
     "inplace": "scaletrain.strategies.inplace:InplaceStrategy",
@@ -43,6 +45,8 @@ def stepping_class(cfg: RunConfig, mode: str) -> type[Strategy]:
     target = _MODE_CLASSES.get(mode)
     if mode == "inplace" and cfg.train.strategy in ("local_sgd", "diloco"):
         target = _INPLACE_ROUNDS
+    if mode == "inplace" and cfg.train.strategy == "fsdp":
+        target = _INPLACE_HSDP
     if target is None:
         return strategy_class(cfg.train.strategy)
     module, _, name = target.partition(":")

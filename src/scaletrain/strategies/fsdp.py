@@ -99,6 +99,54 @@ def local_bytes(tensors: Any) -> int:
     return total
 
 
+def shard_units(model: nn.Module, mesh: Any, policy: MixedPrecisionPolicy) -> None:
+    """FSDP2 over ``mesh``: every submodule that owns parameters directly, then the root.
+    Children before parents: fully_shard takes every parameter below a module that no unit
+    below it holds yet, so a parent first would swallow its children's."""
+    for module in reversed(list(model.modules())):
+        if module is not model and any(True for _ in module.parameters(recurse=False)):
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def mixed_precision_policy(cfg: RunConfig) -> MixedPrecisionPolicy:
+    """Under --precision bf16-mixed, FSDP2 all-gathers and computes with bf16 parameters and
+    reduce-scatters gradients in fp32 (the sharded fp32 weights stay the optimizer's);
+    autocast (essentials.py) covers the ops between. fp16 is refused (no agreed loss scale
+    over shards)."""
+    if cfg.train.precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def compile_units(model: nn.Module) -> None:
+    """Each unit shard_units made, compiled on its own (FSDPStrategy.compile_model says why)."""
+    for module in model.modules():
+        if module is not model and any(True for _ in module.parameters(recurse=False)):
+            module.forward = torch.compile(module.forward)  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def gradient_sync_off(module: nn.Module) -> Iterator[None]:
+    """FSDP2's counterpart of DDP's no_sync: keep the unsharded gradients, no reduce-scatter,
+    until the last micro-batch."""
+    module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def gather_replica(module: nn.Module, skeleton: nn.Module, device: torch.device) -> nn.Module:
+    """A plain replica of ``module`` (sharded) with the full weights, built from
+    ``skeleton`` (its meta-device copy taken before sharding). A collective: every rank of
+    the shard group calls it."""
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    replica = skeleton.to_empty(device=device)
+    replica.load_state_dict(full)
+    return replica
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
@@ -125,12 +173,7 @@ class FSDPStrategy(Strategy):
                                     mesh_dim_names=("replicate", "shard"))  # fmt: skip
         else:
             mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
-        # Children before parents: fully_shard takes every parameter below a module that no
-        # unit below it holds yet, so a parent first would swallow its children's.
-        for module in reversed(list(model.modules())):
-            if module is not model and any(True for _ in module.parameters(recurse=False)):
-                fully_shard(module, mesh=mesh, mp_policy=self.mp_policy())
-        fully_shard(model, mesh=mesh, mp_policy=self.mp_policy())
+        shard_units(model, mesh, self.mp_policy())
         if getattr(self, "compile_units", False):
             self._compile_units(model)
         self.module = model
@@ -139,13 +182,7 @@ class FSDPStrategy(Strategy):
         self.replica: nn.Module | None = None
 
     def mp_policy(self) -> MixedPrecisionPolicy:
-        """Under --precision bf16-mixed, FSDP2 all-gathers and computes with bf16 parameters
-        and reduce-scatters gradients in fp32 (the sharded fp32 weights stay the optimizer's);
-        autocast (essentials.py) covers the ops between. fp16 is refused (no agreed loss
-        scale over shards)."""
-        if self.cfg.train.precision == "bf16-mixed":
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return MixedPrecisionPolicy()
+        return mixed_precision_policy(self.cfg)
 
     @classmethod
     def checks_model(cls, cfg: RunConfig) -> bool:
@@ -245,19 +282,10 @@ class FSDPStrategy(Strategy):
         self.compile_units = True
 
     def _compile_units(self, model: nn.Module) -> None:
-        for module in model.modules():
-            if module is not model and any(True for _ in module.parameters(recurse=False)):
-                module.forward = torch.compile(module.forward)  # type: ignore[method-assign]
+        compile_units(model)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """FSDP2's counterpart of DDP's no_sync: keep the unsharded gradients, no
-        reduce-scatter, until the last micro-batch."""
-        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
-        try:
-            yield
-        finally:
-            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return gradient_sync_off(self.module)
 
     def train_step(self, batch: Batch) -> StepResult:
         start = time.perf_counter()
@@ -288,11 +316,7 @@ class FSDPStrategy(Strategy):
         return 3 * (s - 1) * part // s + 2 * (g - 1) * part // (g * s)
 
     def gather_replica(self) -> nn.Module:
-        """A plain replica with the full weights (a collective: every rank calls it)."""
-        full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-        replica = self.skeleton.to_empty(device=self.ctx.device)
-        replica.load_state_dict(full)
-        return replica
+        return gather_replica(self.module, self.skeleton, self.ctx.device)
 
     def eval_model(self) -> nn.Module:
         return self.gather_replica()

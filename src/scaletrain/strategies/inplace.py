@@ -191,6 +191,13 @@ def lost_in_job_run(run_dir: Path, job_run: int) -> set[int]:
     }
 
 
+def run_ended(run_dir: Path) -> bool:
+    """The other replicas finished the run (their final reports are there): a replica that
+    restarts after that must not train the run again alone."""
+    final = run_dir / "logs" / "final"
+    return final.is_dir() and any(final.iterdir())
+
+
 class StateLost(RuntimeError):
     """A replica restarted during a job run found no live peer with the job's state
     (InplaceStrategy.check_state_held)."""
@@ -203,8 +210,6 @@ class InplaceStrategy(Strategy):
     holds_replica = True
 
     def setup(self, model: nn.Module, build_optimizer: OptimizerFactory, loss_fn: LossFn) -> None:
-        from torchft import Manager, ProcessGroupGloo
-
         cfg, ctx = self.cfg, self.ctx
         self.module, self.loss_fn = model, loss_fn
         self.optimizer = build_optimizer(model.parameters())
@@ -212,11 +217,21 @@ class InplaceStrategy(Strategy):
         self.shapes = [p.shape for p in self.params]
         # --compression fp16 / bf16 (launch/modes.py refuses the others in place).
         self.compressor = build_compressor(cfg.comm.compression, ctx.world_size)
-        timeout = timedelta(seconds=cfg.hang_timeout_s)
         # This replica's own store (a group of one): torchft keeps its process-group
         # rendezvous keys there.
         addr = os.environ.get(env.ADDR, "127.0.0.1")
         self.store, self._listener = bound_store(addr, 0, cfg.launch.timeout_s)
+        self.start_manager(self.store.port, 0, 1, f"replica{ctx.rank}")
+
+    def start_manager(self, store_port: int, rank: int, world_size: int, replica_id: str) -> None:
+        """torchft's Manager of this process: rank ``rank`` of a replica of ``world_size``
+        processes (``replica_id``), whose store (on this node's address) is at
+        ``store_port``; the replica's rank 0 hosts the manager server there."""
+        from torchft import Manager, ProcessGroupGloo
+
+        cfg = self.cfg
+        timeout = timedelta(seconds=cfg.hang_timeout_s)
+        addr = os.environ.get(env.ADDR, "127.0.0.1")
         self.transport = bound_checkpoint_transport(addr, timeout)
         with manager_server_bound_to(addr):
             self.manager = Manager(
@@ -228,18 +243,18 @@ class InplaceStrategy(Strategy):
                 timeout=timeout,
                 quorum_timeout=timedelta(seconds=cfg.launch.timeout_s),
                 connect_timeout=timedelta(seconds=cfg.launch.timeout_s),
-                rank=0,
-                world_size=1,
+                rank=rank,
+                world_size=world_size,
                 store_addr=addr,
-                store_port=self.store.port,
+                store_port=store_port,
                 lighthouse_addr=os.environ[env.LIGHTHOUSE],
-                replica_id=f"replica{ctx.rank}",
+                replica_id=replica_id,
                 hostname=url_host(addr),
                 checkpoint_transport=self.transport,
                 heartbeat_interval=timedelta(milliseconds=100),
             )
         self.run_dir = Path(cfg.out)
-        self.peers_pending = ctx.attempt == 0  # QuorumPlan.next_step waits for them once
+        self.peers_pending = self.ctx.attempt == 0  # QuorumPlan.next_step waits for them once
         self.state_checked = False  # check_state_held, after the first quorum
 
     def build_plan(self, dataset: Any) -> BatchPlan:
@@ -332,13 +347,18 @@ class InplaceStrategy(Strategy):
         assert rank is not None, "a synchronous quorum leaves every replica participating"
         return n, rank
 
+    def data_membership(self) -> tuple[int, int]:
+        """(the step's data-parallel ranks, this process's among them): its replicas and
+        quorum rank here, each a process (replica groups split further: inplace_hsdp.py)."""
+        return self.membership()
+
     def eval_part(self) -> tuple[int, int]:
         """The last quorum's split: its participants hold the same weights. A job run that
         had nothing left to train (it resumed from the checkpoint of the last step) formed
         no quorum: every replica loaded that checkpoint, and each takes its own rank."""
         if self.quorum_id() < 0:  # torchft formed none yet
             return self.ctx.rank, self.ctx.world_size
-        n, rank = self.membership()
+        n, rank = self.data_membership()
         return rank, n
 
     def train_step(self, batch: Batch) -> StepResult:
@@ -516,10 +536,7 @@ class QuorumPlan(SampledPlan):
         self.split = balance.get("split")
 
     def _run_ended(self) -> bool:
-        """The other replicas finished the run (their final reports are there): a replica
-        that restarts after that must not train the run again alone."""
-        final = self.run_dir / "logs" / "final"
-        return final.is_dir() and any(final.iterdir())
+        return run_ended(self.run_dir)
 
     def _data_done(self) -> bool:
         """Every sample of the last epoch is trained: no quorum is needed to know that (so
@@ -561,7 +578,7 @@ class QuorumPlan(SampledPlan):
         self.strategy.check_state_held()
         if self._max_steps_reached(progress):  # healed into a finished run
             return None
-        n, rank = self.strategy.membership()
+        n, rank = self.strategy.data_membership()
         self.sampler.resize(n, rank)
         while not len(self.sampler):  # the epoch is done: the next starts at its beginning
             if self.sampler.epoch + 1 >= self.cfg.train.epochs:
