@@ -14,9 +14,11 @@ checkpointing in the background costs the step almost nothing.
    local SGD and DiLoCo (--sync-every 8), same floor: there the survivors' next quorum is
    their next synchronization (detected_s holds their local steps up to it: they do not
    stop), and the dead replica's steps of its round are lost (printed; their samples are
-   trained again).
+   trained again). And fault-tolerant HSDP (--strategy fsdp --replica-size 2 on 4 workers:
+   2 groups of 2; rank 1 killed, its mate rank 0 ended with it, the group restarted whole).
    Healing: the bytes a restarted replica copied from a live peer and how fast (a model of
-   68 MB; the copy's own time, torchft's checkpoint transport timed), ddp and DiLoCo.
+   68 MB; the copy's own time, torchft's checkpoint transport timed), ddp and DiLoCo; HSDP's
+   restarted group, each rank its half of the shards.
 2. Checkpoint overhead at --checkpoint-every 10, synchronous vs --checkpoint-async, against no
    checkpoints, runs interleaved: the share of rank 0's training loop spent blocked on
    checkpoints (time_breakdown.checkpoint_s / wall_s; the direct measure), and the slowdown
@@ -59,6 +61,10 @@ BASE = [
 ]
 
 
+# Fault-tolerant HSDP in place: 2 replica groups of 2 ranks (the same global batch as BASE's).
+HSDP = ["--strategy", "fsdp", "--replica-size", "2", "--nproc-per-node", "4", "--batch-size", "16"]
+
+
 def run(args: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "scaletrain", "run", *BASE, *args, "--out", str(out)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -94,14 +100,16 @@ def recovery_times(tmp: Path, repeats: int) -> None:
         verdict = (f"<= 10 s: {FLOORS.check(f'{name}: failure to resumed <= 10 s', total <= 10)}"
                    if "kill" in name else "-")  # fmt: skip
         print(f"{name:<22} {detected:8.2f} {resumed:10.2f} {total:8.2f}  {verdict}")
-    # In place: plain, with the gradient all-reduce in fp16 (--compression fp16), and local
-    # SGD and DiLoCo (rounds of 8 steps, an epoch's last of 7: the kill lands in steps 24-31).
+    # In place: plain, with the gradient all-reduce in fp16 (--compression fp16), local SGD and
+    # DiLoCo (rounds of 8 steps, an epoch's last of 7: the kill lands in steps 24-31), and
+    # HSDP (2 groups of 2: 4 workers of 16, the same global batch).
     rounds = ["--sync-every", "8"]
     for name, extra in {
         "kill (inplace)": [],
         "kill (inplace, fp16)": ["--compression", "fp16"],
         "kill (inplace, lsgd)": ["--strategy", "local_sgd", *rounds],
         "kill (inplace, diloco)": ["--strategy", "diloco", *rounds],
+        "kill (inplace, hsdp)": HSDP,
     }.items():
         rows, rejoins, heals, lost = [], [], [], []
         for i in range(repeats):
@@ -109,7 +117,8 @@ def recovery_times(tmp: Path, repeats: int) -> None:
             args = ["--recovery", "inplace", "--max-restarts", "1",
                     "--inject", "kill:rank=1:step=30", *extra]  # fmt: skip
             summary = run(args, tmp / f"{name.split('(')[1].strip(')').replace(', ', '-')}-{i}")
-            [recovery] = summary["recoveries"]
+            # Under HSDP the killed rank's group mate is ended with it: a recovery of its own.
+            recovery = next(r for r in summary["recoveries"] if r["rank"] == 1)
             rows.append((recovery["detected_s"], recovery["resumed_s"]))
             if recovery.get("rejoin_s") is not None:
                 rejoins.append(recovery["rejoin_s"])
@@ -145,13 +154,18 @@ def heal_throughput(tmp: Path, repeats: int) -> None:
     summary.json's recovery: the bytes healed and the copy's time (the transport's receive,
     within the healing quorum). No floor: the anchor is torchft's process-group transport,
     about 2.2 GB/s."""
-    for name, extra in {"ddp": [], "diloco": ["--strategy", "diloco", "--sync-every", "4"]}.items():
+    for name, extra in {
+        "ddp": [],
+        "diloco": ["--strategy", "diloco", "--sync-every", "4"],
+        "hsdp": HSDP,
+    }.items():
         rows = []
         for i in range(repeats):
             args = ["--recovery", "inplace", "--max-restarts", "1", "--model", "mlp", "--width",
                     "1024", "--epochs", "4", "--num-threads", "1",
                     "--inject", "kill:rank=1:step=5,slow:rank=0:factor=3", *extra]  # fmt: skip
-            [recovery] = run(args, tmp / f"heal-{name}-{i}")["recoveries"]
+            recoveries = run(args, tmp / f"heal-{name}-{i}")["recoveries"]
+            recovery = next(r for r in recoveries if r["rank"] == 1)
             if recovery.get("healed_bytes"):
                 rows.append((recovery["healed_bytes"], recovery["heal_s"]))
         if not rows:
