@@ -211,7 +211,7 @@ def test_three_hosts_survive_a_dead_host_then_a_cut_cable(tmp_path):
 
 
 @needs_lab
-@stress_only  # 32-35 s; every make stress round runs it (make test: 4 hosts in test_scale.py)
+@stress_only  # 32-35 s; every make stress round runs it (make test: test_bench.py's shaped link)
 def test_parameter_server_across_three_hosts_survives_a_cut_worker_host(tmp_path):
     """--strategy ps on three hosts, two processes each: hosts 0 and 1 run the four workers,
     host 2 both servers (the world's last ranks). The store is node 0's, on its address; the
@@ -253,7 +253,7 @@ def test_parameter_server_across_three_hosts_survives_a_cut_worker_host(tmp_path
 
 
 @needs_lab
-@stress_only  # 41-50 s; every make stress round runs it (make test: 4 hosts in test_scale.py)
+@stress_only  # 41-50 s; every make stress round runs it (make test: test_bench.py's shaped link)
 def test_inplace_across_three_hosts_survives_a_dead_host_then_a_cut_cable(tmp_path):
     """--recovery inplace on three hosts: host 0 hosts torchft's lighthouse on its address,
     each replica listens on its own host's address. Host 2 is SIGKILLed whole, then host 1's
