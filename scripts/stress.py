@@ -8,7 +8,7 @@ multi-host lab when it can run; not the tests there that inject no fault) and th
 fuzzer (new combinations checked and trained every round), with a new
 SCALETRAIN_STRESS_SEED, so the bitwise-resume property test draws new configurations and
 kill points each round
-(SCALETRAIN_RESUME_DRAWS of them; default 3 a round here, 2 in ``make test``).
+(SCALETRAIN_RESUME_DRAWS of them; default 3 a round here, 1 in ``make test``).
 
 A test that fails in any round is a bug to find: the summary lists every failure with the
 round's seed, which reproduces the draws (SCALETRAIN_STRESS_SEED=<seed> pytest ...), and
@@ -86,6 +86,8 @@ FAULT_TESTS = [
     "tests/e2e/test_scale.py::test_eight_replicas_through_one_fault_of_the_storm",
     # No fault, but too long for make test's budget (tests/conftest.py's stress_only).
     "tests/dist/test_essentials.py::test_compile_captures_graphs_and_trains_the_same",
+    "tests/dist/test_essentials.py::test_mixed_precision_reaches_fp32_accuracy[fp16-mixed]",
+    "tests/dist/test_fsdp.py::test_fsdp_and_tensor_checkpoint_restart_gives_identical_weights",
     "tests/dist/test_probe.py",
     "tests/e2e/test_cli.py::test_deterministic_runs_give_identical_weights",
 ]

@@ -112,7 +112,9 @@ def test_schedule_in_the_records_and_in_the_weights(tmp_path, single):
     assert max_diff(weights, single[0]) > 1e-3
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+# fp16 in every make stress round (make test's budget; make test trains fp16 in two of the
+# flag-space fuzzer's fixed draws).
+@pytest.mark.parametrize("precision", ["bf16-mixed", pytest.param("fp16-mixed", marks=stress_only)])
 def test_mixed_precision_reaches_fp32_accuracy(tmp_path, precision):
     """On the whole digits set (CPU autocast). Measured over seeds 0-4, 2 workers x 32,
     6 epochs: fp32 0.961-0.983, bf16-mixed 0.967-0.978, fp16-mixed 0.969-0.981; the largest

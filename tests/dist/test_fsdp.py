@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import assert_no_orphans, run_cli
+from tests.conftest import assert_no_orphans, run_cli, stress_only
 from tests.dist.test_equivalence import train
 
 
@@ -45,6 +45,9 @@ def test_fsdp_holds_a_share_of_the_state(tmp_path, single):
     assert run["summary"]["max_rank_state_bytes"] < 0.6 * ref["summary"]["max_rank_state_bytes"]
 
 
+# Every make stress round (make test's budget: fsdp's restart from DCP shards is bit-identical
+# in the HSDP test below and in test_resume_property.py's fsdp regression).
+@stress_only
 def test_fsdp_and_tensor_checkpoint_restart_gives_identical_weights(tmp_path):
     """fsdp --tp 2 on the transformer holds both kinds of DTensor state (FSDP shards over
     "dp", tensor-parallel splits over "tp"; here dp is 1): a rank killed mid-run restarts

@@ -86,6 +86,9 @@ def test_a_killed_in_place_job_continues_from_its_checkpoint_bit_identical(
     assert got["samples"] == 2 * DIGITS and got["job_runs"] == 2
 
 
+# Preempted in place: every make stress round (make test's budget keeps the whole-job SIGKILL
+# below and the restart mode's preemption at three moments).
+@stress_only
 def test_a_preempted_in_place_job_checkpoints_exits_3_and_continues(tmp_path):
     out = tmp_path / "run"
     proc = start(*JOB, "--inject", "slow:rank=0:factor=4", "--out", str(out))

@@ -111,6 +111,8 @@ def test_a_replica_killed_between_synchronizations_costs_only_its_round(tmp_path
     assert_no_orphans(out)
 
 
+# An in-place job killed whole and continued: make test has ddp's (test_inplace_jobs.py).
+@stress_only  # make test's budget: every make stress round runs it
 def test_a_killed_job_continues_bit_identical(tmp_path, clean_rounds):
     out = tmp_path / "run"
     # Slowed (sleeps, the same math) so the kill lands mid-run.

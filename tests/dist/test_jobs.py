@@ -91,6 +91,9 @@ def test_preempted_job_checkpoints_exits_3_and_resumes_bit_identical(tmp_path, u
     assert job_of[(0, 1)] == 0 and job_of[(0, got["steps"])] == 1
 
 
+# A job killed whole and continued, restart mode: every make stress round (make test keeps the
+# preempted job's continuation at three moments, and the in-place killed job's).
+@stress_only
 def test_killed_job_resumes_from_its_newest_checkpoint(tmp_path, uninterrupted):
     """Every process SIGKILLed at once (the machine went away): the same command goes on
     from the newest checkpoint, redoing the steps after it, to the same weights."""
