@@ -42,11 +42,12 @@ MODES = {
 # The inplace-rounds row runs its steady group in make test; its fault, compile and
 # activation-checkpointing runs (the inplace row's machinery, dealt in rounds) in every
 # make stress round (scripts/stress.py lists them): make test's budget. So do the inplace
-# and ps rows' compile runs (23-30 s and 13 s on 2 cores, each process compiling on its own;
-# make test checks compile's effect in the restart row: what the other modes then do with a
-# compiled model's gradients is what they do with an eager one's).
+# and ps rows' compile runs (23-30 s and 13 s on 2 cores, each process compiling on its own),
+# and since a slow-phase make test went over budget, the restart row's (16-34 s): compile runs
+# in every make stress round, in every mode.
 STRESS_ONLY_GROUPS = {"inplace-rounds": {"faults", "hang", "compile", "blocks"},
-                      "inplace": {"compile"}, "ps": {"compile"}}  # fmt: skip
+                      "inplace": {"compile"}, "ps": {"compile"},
+                      "restart": {"compile"}}  # fmt: skip
 # 2 workers (ps: and a server), 96 digits in steps of 8 a worker: 6 steps an epoch.
 BASE = {"nproc_per_node": 2, "num_samples": 96, "batch_size": 8, "model": "mlp", "width": 8,
         "epochs": 2, "seed": 1, "num_threads": 1}  # fmt: skip

@@ -135,6 +135,9 @@ def test_a_restart_that_fails_again_before_its_checkpoint_is_still_reported(tmp_
     assert recoveries[1]["resumed_s"] is not None
 
 
+# Every make stress round (make test's budget; make test's bitwise resume tests continue the
+# ranks' random streams too, without checking each stream on its own).
+@stress_only
 def test_per_rank_random_streams_continue_exactly_after_a_restart(tmp_path):
     """Dropout masks differ between ranks; each rank resumes its own RNG stream, so the
     restarted run ends with the uninterrupted run's weights. Rank 1 runs on slower hardware

@@ -180,6 +180,9 @@ def test_refuses_to_overwrite_a_finished_run(tmp_path):
     assert (out / "summary.json").read_text() == "{}"
 
 
+# Every make stress round (make test's budget: nodes rendezvous in make test's lost-node test,
+# tests/dist/test_recovery.py).
+@stress_only
 def test_two_nodes_rendezvous_like_torchrun(tmp_path):
     """Two launchers (one per 'node', on this machine) meet at a c10d rendezvous on node 0."""
     import os

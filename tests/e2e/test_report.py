@@ -11,7 +11,7 @@ import shutil
 import pytest
 from PIL import Image
 
-from tests.conftest import built_once, run_cli
+from tests.conftest import built_once, run_cli, stress_only
 
 
 def embedded_images(page: str) -> list[Image.Image]:
@@ -102,6 +102,9 @@ def test_report_refuses_a_directory_without_summary(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+# Every make stress round (make test's budget: two more runs; the report's plots and tables of
+# real runs are checked above).
+@stress_only
 def test_report_shows_balance_shares_and_each_pushs_learning_rate(tmp_path):
     """A balanced ddp run with a slow rank, and an asp run under the staleness rule: the page
     plots each rank's share and the effective lr of every applied push."""
