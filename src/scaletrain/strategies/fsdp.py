@@ -147,6 +147,17 @@ def gather_replica(module: nn.Module, skeleton: nn.Module, device: torch.device)
     return replica
 
 
+def sharded_memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The bytes of training state this rank holds of a sharded module: its local shards of
+    the parameters, their gradients and the optimizer state."""
+    params = list(module.parameters())
+    return {
+        "param_bytes": local_bytes(params),
+        "grad_bytes": local_bytes(p.grad for p in params),
+        "optimizer_bytes": local_bytes(optimizer_tensors(optimizer)),
+    }
+
+
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
 
@@ -240,12 +251,7 @@ class FSDPStrategy(Strategy):
         return self.replica
 
     def memory_bytes(self) -> dict[str, int]:
-        params = list(self.module.parameters())
-        return {
-            "param_bytes": local_bytes(params),
-            "grad_bytes": local_bytes(p.grad for p in params),
-            "optimizer_bytes": local_bytes(optimizer_tensors(self.optimizer)),
-        }
+        return sharded_memory(self.module, self.optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         return {

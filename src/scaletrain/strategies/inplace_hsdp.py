@@ -53,10 +53,9 @@ from scaletrain.strategies.fsdp import (
     compile_units,
     gather_replica,
     gradient_sync_off,
-    local_bytes,
     mixed_precision_policy,
-    optimizer_tensors,
     shard_units,
+    sharded_memory,
 )
 from scaletrain.strategies.inplace import InplaceStrategy, run_ended
 
@@ -234,12 +233,7 @@ class InplaceHSDPStrategy(InplaceStrategy):
             group["lr"] = lr
 
     def memory_bytes(self) -> dict[str, int]:
-        params = list(self.module.parameters())
-        return {
-            "param_bytes": local_bytes(params),
-            "grad_bytes": local_bytes(p.grad for p in params),
-            "optimizer_bytes": local_bytes(optimizer_tensors(self.optimizer)),
-        }
+        return sharded_memory(self.module, self.optimizer)
 
     # -- the whole model: gathered within the group ------------------------------------------
     @property
