@@ -163,7 +163,9 @@ class Checkpointing(NoCheckpoints):
         settle after writing it (otherwise save settles before it returns)."""
         t = self.trainer
         if self.saved_step == t.progress.step:
-            return 0.0
+            # Saved already, maybe in the background: a synchronous save (a preemption's)
+            # returns only once it is on disk, or the process could end before its write.
+            return 0.0 if background else self.wait()
         self.saved_step = t.progress.step
         self.wrote = self.writes_this_step()
         if not self.wrote:
@@ -259,7 +261,15 @@ class ReplicaCheckpointing(Checkpointing):
     RNG states go into the checkpoint; what differs between replicas (local SGD's optimizer
     states: ``replica_state``) each replica writes beside it, and one whose file is missing
     continues from the writer's. Under ``auto`` each replica plans from its own
-    measurements (the writer's are those of the saves)."""
+    measurements (the writer's are those of the saves).
+
+    A replica of several processes (in-place HSDP's group: ``replica_group``) writes it as
+    a group: each rank its shards in the file of its rank in the group (so rank i of any
+    group reads shard i back), and the group's rank 0 the shared part, which it publishes
+    only once every shard file is on disk (``await_shards``: through the group's store, not
+    a collective, so that a background write does not run one beside training's). A shard
+    file missing at resume makes the checkpoint unusable (it names the group's size), and
+    the group's ranks agree on the checkpoint, the interval and the step they leave at."""
 
     written_step = -1  # the step of the last state written (local SGD's can repeat)
 
@@ -276,22 +286,30 @@ class ReplicaCheckpointing(Checkpointing):
 
     def prepare(self, *, background: bool) -> Callable[[], None]:
         t, held, own, main = self.trainer, self._state, self._own, self._main
+        group = cast("InplaceStrategy", t.strategy).replica_group()
         progress = Progress(**held["progress"])
         step = self.written_step = progress.step
         t.watchdog.enter(step, "writing a checkpoint", "")
         directory, keep = t.run_dir / "checkpoints", t.cfg.fault.keep_checkpoints
         training = {key: held[key] for key in ("strategy", "sampler", "essentials")}
-        # world_size 0: a replica's own file may be missing (fault/recovery.own_state).
+        own_rank, required = t.ctx.rank, 0  # 0: a replica's own file may be missing
+        if group is not None:  # the shards are in the group's files; each one required
+            training["strategy"] = {"shards": group.size}
+            own_rank, required = group.rank, group.size
         rng = held.get("rng") or rng_state()
-        state = checkpoint_state(training, progress, t.cfg.hash(), [rng], 0,
+        state = checkpoint_state(training, progress, t.cfg.hash(), [rng], required,
                                  math_hash=t.cfg.math_hash())  # fmt: skip
-        if background:
+        if background:  # ``own`` is a copy already (replica_state's)
             state = snapshot(state)
 
         def write() -> None:
             if own is not None:
-                save_rank_state(rng_path(directory, step, t.ctx.rank), own)
+                save_rank_state(rng_path(directory, step, own_rank), own)
+                if group is not None:
+                    group.shard_written(step)
             if main:
+                if group is not None:
+                    group.await_shards(step)
                 path = save_checkpoint(directory, step, state, keep)
                 prune_rng_files(directory)
                 for fault in t.faults:
@@ -300,7 +318,9 @@ class ReplicaCheckpointing(Checkpointing):
         return write
 
     def agreed_max(self, values: torch.Tensor) -> torch.Tensor:
-        return values  # no group: each replica's own
+        """Each replica plans its own; the ranks of a replica group together."""
+        group = cast("InplaceStrategy", self.trainer.strategy).replica_group()
+        return values if group is None else group.max(values)
 
     def settle(self) -> None:
         return None

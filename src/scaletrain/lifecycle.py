@@ -28,7 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from scaletrain.fault.watchdog import NullWatchdog, SelfWatchdog, Watchdog
 from scaletrain.io import atomic_torch_save, atomic_write_json
 from scaletrain.loop import Loop
 from scaletrain.metrics.summary import RankTotals, SummaryParts, params_sha256, write_summary
+
+if TYPE_CHECKING:
+    from scaletrain.strategies.inplace import InplaceStrategy
 
 log = logging.getLogger("scaletrain.lifecycle")
 
@@ -265,15 +268,20 @@ class FleetWorld(World):
         ctx = loop.ctx
         if not self._in_place(loop) or ctx.attempt != 0:
             return None
+        # A replica group's ranks read the shard files of their rank in the group, and take
+        # a checkpoint only when every one of them can (ReplicaCheckpointing).
+        group = cast("InplaceStrategy", loop.strategy).replica_group()
         resumed = resume(
             loop.run_dir / "checkpoints",
             loop.restore_checkpoint,
             data_world_size=ctx.world_size,
             rank=ctx.rank,
+            own_rank=ctx.rank if group is None else group.rank,
             math_hash=loop.cfg.math_hash(),
             attempt=0,
             metrics=loop.run_dir / "metrics.jsonl",
             job_run=ctx.job_run,
+            all_agree=(lambda ok: ok) if group is None else group.agree,
         )
         if resumed is not None:
             loop.strategy.resumed_at(resumed.step)
@@ -285,12 +293,15 @@ class FleetWorld(World):
         that saw it a step later trains that step without them and leaves after it, so the
         last step's quorum rank 0 always leaves at it and checkpoints it. Local SGD and
         DiLoCo leave only together, as their synchronization agreed (may_leave)."""
-        return (
-            self._in_place(loop)
-            and bool(loop.cfg.fault.checkpoints_on)
-            and loop.strategy.may_leave()
-            and (preempt_path(loop.run_dir).exists())
-        )
+        if not (self._in_place(loop) and loop.cfg.fault.checkpoints_on):
+            return False
+        if not loop.strategy.may_leave():
+            return False
+        asked = preempt_path(loop.run_dir).exists()
+        # The ranks of a replica group leave together (one that left alone would leave its
+        # mates in the step's collectives): when any of them saw the request.
+        group = cast("InplaceStrategy", loop.strategy).replica_group()
+        return asked if group is None else not group.agree(not asked)
 
     def eval_part(self, loop: Loop) -> tuple[int, int] | None:
         """No group to add parts over: the first process (quorum rank 0 of a torchft step,

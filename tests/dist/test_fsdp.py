@@ -4,12 +4,19 @@ per rank, and checkpoints that survive a restart. Real processes, real gloo coll
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 import torch
 
-from tests.conftest import assert_no_orphans, run_cli, stress_only
+from scaletrain.fault.checkpoint import read_index
+from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
+from scaletrain.io import read_jsonl
+from tests.conftest import assert_no_orphans, kill_job, run_cli, stress_only
 from tests.dist.test_equivalence import train
+from tests.dist.test_jobs import start, wait_for_step
 
 
 @pytest.fixture(scope="session")
@@ -113,3 +120,93 @@ def test_hsdp_in_place_trains_as_the_restart_mode_does(tmp_path, hsdp):
     assert all(torch.equal(ours[k], weights[k]) for k in weights)
     memory = {r["rank"]: r["memory"] for r in summary["per_rank"]}
     assert memory == {r["rank"]: r["memory"] for r in restart["summary"]["per_rank"]}
+
+
+# 2 groups x 2 ranks in place with persistent checkpoints written in the background: the
+# HSDP fixture's run otherwise (its weights are the uninterrupted in-place run's, above).
+HSDP_JOB = ["--recovery", "inplace", "--strategy", "fsdp", "--replica-size", "2",
+            "--nproc-per-node", "4", "--dataset", "digits", "--num-samples", "115",
+            "--model", "cnn", "--width", "8", "--batch-size", "3", "--epochs", "2",
+            "--lr", "0.05", "--seed", "3", "--deterministic", "--num-threads", "1",
+            "--checkpoint-every", "4", "--checkpoint-async", "--log-sample-ids"]  # fmt: skip
+
+
+def test_a_killed_hsdp_in_place_job_continues_from_its_group_checkpoint_bit_identical(
+    tmp_path, hsdp
+):
+    """The group of each step's quorum rank 0 writes its checkpoint, each rank its shards in
+    the file of its rank in the group. The whole job SIGKILLed after step 10 (checkpoint at
+    8), the same command continues from step 8: the restart mode's weights, bit for bit, and
+    every sample once per epoch (the steps after the checkpoint trained again)."""
+    weights, _ = hsdp
+    out = tmp_path / "run"
+    # A rank of each group hangs before step 11 (once in the job: its first run), so that
+    # run stands still after step 10 until it is killed.
+    job = [*HSDP_JOB, "--inject", "hang:rank=0:step=11,hang:rank=2:step=11", "--out", str(out)]
+    checkpoints = out / "checkpoints"
+    proc = start(*job)
+    wait_for_step(out, 10, proc)
+    # Both hangs fired (else the next run would hang there), and the background write of
+    # step 8 is published.
+    fired = [out / "logs" / "faults" / f"hang-rank{r}-step11" for r in (0, 2)]
+    deadline = time.monotonic() + 60
+    while not (all(f.exists() for f in fired) and steps(read_index(checkpoints)) == [4, 8]):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    kill_job(proc, out)
+    assert steps(read_index(checkpoints)) == [4, 8]
+    # One group wrote each: a file per rank of the group, by its rank in the group.
+    assert sorted(p.name for p in (checkpoints / "rng").glob("step-00000008-*")) == [
+        "step-00000008-rank0.pt", "step-00000008-rank1.pt"]  # fmt: skip
+
+    result = run_cli("run", *job)
+    assert result.returncode == 0, result.stderr
+    final = torch.load(checkpoints / "final.pt", weights_only=True)["model"]
+    assert all(torch.equal(final[k], weights[k]) for k in weights)
+    summary = json.loads((out / "summary.json").read_text())
+    [resume] = summary["recoveries"]
+    assert (resume["kind"], resume["step"], resume["job_run"]) == ("resume", 8, 1)
+    assert "ended without a word" in resume["cause"] and resume["lost_steps"] == 2
+    records = read_jsonl(out / "metrics.jsonl")
+    assert_each_sample_once([r for r in records if not (r["job_run"] == 0 and r["step"] > 8)])
+    assert_no_orphans(out)
+
+
+def test_a_preempted_hsdp_in_place_job_leaves_by_groups_and_continues(tmp_path):
+    """SIGTERM: the ranks of a group leave after the same step (they agree on it: one that
+    left alone would leave its mate in the step's collectives), the last step's writing
+    group checkpoints it (a group that saw the request a step later trains that step
+    without the other), the launcher exits 3, and the same command goes on from that step
+    with nothing trained twice."""
+    out = tmp_path / "run"
+    job = [*HSDP_JOB, "--out", str(out)]
+    # Rank 1 is slowed (sleeps, the same math) so the SIGTERM lands mid-run.
+    proc = start(*job, "--inject", "slow:rank=1:factor=8")
+    wait_for_step(out, 3, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, stderr
+    records = read_jsonl(out / "metrics.jsonl")
+    left = {r["rank"]: r["step"] for r in records}  # each rank's last step
+    assert left[0] == left[1] and left[2] == left[3], left
+    reached = max(left.values())
+    assert steps(read_index(out / "checkpoints"))[-1] == reached
+    result = run_cli("run", *job)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    [resume] = summary["recoveries"]
+    assert resume["cause"] == "job run 0 preempted"
+    assert resume["step"] == reached and resume["lost_steps"] == 0
+    assert_each_sample_once(read_jsonl(out / "metrics.jsonl"))  # nothing trained twice
+    assert summary["replicas_agree"]
+    assert_no_orphans(out)
+
+
+def assert_each_sample_once(records: list[dict]) -> None:
+    for epoch in (0, 1):
+        ids = [i for r in records if r["epoch"] == epoch for i in r["sample_ids"]]
+        assert sorted(ids) == list(range(115)), epoch
+
+
+def steps(index: list[dict]) -> list[int]:
+    return [e["step"] for e in index]

@@ -166,13 +166,9 @@ def test_inplace_refuses_what_it_cannot_do():
     for overrides, message in [
         ({"strategy": "pipeline"}, "--recovery inplace runs data parallel training"),
         # fsdp in place: whole replica groups (tests/dist/test_inplace_hsdp.py), 2 at least,
-        # on one node each; persistent checkpoints and --balance speed not with them yet.
+        # on one node each; --balance speed not with them yet.
         ({"strategy": "fsdp"}, "pass --replica-size R"),
         ({"strategy": "fsdp", "replica_size": 4, "nproc_per_node": 4}, "at least 2 replica"),
-        (
-            {"strategy": "fsdp", "replica_size": 2, "nproc_per_node": 4, "checkpoint_every": 5},
-            "does not write persistent checkpoints yet",
-        ),
         (
             {"strategy": "fsdp", "replica_size": 2, "nproc_per_node": 4, "balance": "speed"},
             "not built for groups yet",

@@ -132,6 +132,7 @@ def resume(
     job_run: int = 0,
     attempt_base: int = 0,
     all_agree: Callable[[bool], bool] = lambda ok: ok,
+    own_rank: int | None = None,
 ) -> Progress | None:
     """Load the newest valid checkpoint through ``restore(state, rank_part)`` (the loop's
     training state, and this process's own part, global rank ``rank``, or None). None on a
@@ -142,7 +143,9 @@ def resume(
 
     Valid means its file matches index.json's sha256 and every rank's own state file for it
     is whole (see own_state); ``all_agree(ok)`` is True when ``ok`` holds on every rank (a
-    collective: every rank calls it equally often, since all read the same files)."""
+    collective: every rank calls it equally often, since all read the same files).
+    ``own_rank``: the rank this process's own files are named by, when not ``rank`` (a rank
+    of an in-place replica group reads the shards of its rank in the group)."""
     below: int | None = None
     skipped: list[str] = []
     while True:
@@ -153,7 +156,8 @@ def resume(
         step = progress_step(state)
         # ``rank`` is the process's global rank, as the files are named: the sampler's is
         # its data-parallel position, shared by the stages of a pipeline.
-        rng, rank_part, problem = own_state(checkpoints, step, rank, state)
+        own = rank if own_rank is None else own_rank
+        rng, rank_part, problem = own_state(checkpoints, step, own, state)
         if all_agree(not problem):
             break
         skipped.append(problem or f"step {step}: another rank's own state file is unusable")

@@ -131,12 +131,6 @@ def _hsdp_refusals(cfg: RunConfig, name: str) -> list[str]:
             f"replica_size: {name} needs at least 2 replica groups to heal one from another; "
             f"--replica-size {size} makes one of the whole world"
         )
-    if cfg.fault.checkpoints_on:
-        out.append(
-            f"checkpoint_every: {name} with replica groups does not write persistent "
-            "checkpoints yet (each rank of one group would write its shards); a lost group "
-            "heals from a live one"
-        )
     if cfg.train.balance == "speed":
         out.append(
             f"balance: {name} with replica groups splits every step evenly; --balance speed "

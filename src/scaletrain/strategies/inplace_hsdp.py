@@ -24,8 +24,12 @@ heals from the same rank of a live group: the heal state is the rank's local sha
 parameters and of the optimizer state (no collective: torchft serves it from its HTTP
 thread while the group trains), with the sampler and progress, which every rank holds alike.
 
-Not in place yet, each refused before anything starts (launch/modes.py): persistent
-checkpoints (the writer would be a whole group, each rank its shards), --balance speed,
+Checkpoints (--checkpoint-every): the group of the step's quorum rank 0 writes them, each
+rank its local shards in the file of its rank in the group, and the group's rank 0 publishes
+the checkpoint once all are on disk (``GroupShards``; checkpointing.ReplicaCheckpointing).
+The same command after the whole job was lost loads, on rank i of every group, shard file i.
+
+Not in place yet, each refused before anything starts (launch/modes.py): --balance speed,
 compression (FSDP reduce-scatters in fp32 or the policy's type), and groups across nodes.
 """
 
@@ -47,6 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletrain import env
 from scaletrain.data.plans import RunEnded
+from scaletrain.fault.recovery import rng_state
 from scaletrain.net import bound_store
 from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult
 from scaletrain.strategies.fsdp import (
@@ -57,7 +62,7 @@ from scaletrain.strategies.fsdp import (
     shard_units,
     sharded_memory,
 )
-from scaletrain.strategies.inplace import InplaceStrategy, run_ended
+from scaletrain.strategies.inplace import InplaceStrategy, ReplicaGroup, run_ended
 
 
 def local_state(state: Any) -> Any:
@@ -86,6 +91,47 @@ def load_local(target: Any, source: Any) -> Any:
     if isinstance(target, list):
         return [load_local(t, v) for t, v in zip(target, source, strict=True)]
     return source
+
+
+class GroupShards(ReplicaGroup):
+    """A replica group's agreements (over its process group) and its checkpoint's shard
+    files: a rank says its file is written by a key in the group's store, which the group's
+    rank 0 waits for. The keys go through a connection of their own, made by the thread
+    that writes (a background writer's, or training's), one at a time."""
+
+    def __init__(self, size: int, rank: int, device: torch.device, store_at: tuple[str, int],
+                 timeout_s: float) -> None:  # fmt: skip
+        super().__init__(size, rank)
+        self.device, self.store_at, self.timeout_s = device, store_at, timeout_s
+        self._store: dist.TCPStore | None = None
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.to(self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out.to(values.device)
+
+    def _key(self, step: int, rank: int) -> str:
+        return f"checkpoint/step{step}/shard{rank}"
+
+    def _client(self) -> dist.TCPStore:
+        if self._store is None:
+            addr, port = self.store_at
+            self._store = dist.TCPStore(addr, port, is_master=False,
+                                        timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+        return self._store
+
+    def shard_written(self, step: int) -> None:
+        self._client().set(self._key(step, self.rank), "written")
+
+    def await_shards(self, step: int) -> None:
+        try:
+            self._client().wait([self._key(step, r) for r in range(self.size)])
+        except Exception as e:  # the store's timeout (or its host gone)
+            raise RuntimeError(
+                f"internal failure: the checkpoint of step {step} was not published: not "
+                f"every rank of the replica group wrote its shard file within "
+                f"{self.timeout_s:.0f} s ({e}); the previous checkpoint stands"
+            ) from e
 
 
 class InplaceHSDPStrategy(InplaceStrategy):
@@ -139,6 +185,8 @@ class InplaceHSDPStrategy(InplaceStrategy):
             self.store = dist.TCPStore(addr, port, is_master=False,
                                        timeout=timedelta(seconds=timeout_s))  # fmt: skip
         self.group_store_port = port
+        self.shards = GroupShards(self.group_size, self.group_rank, self.ctx.device,
+                                  (addr, port), timeout_s)  # fmt: skip
         dist.init_process_group(
             "nccl" if self.ctx.device.type == "cuda" else "gloo",
             store=dist.PrefixStore("hsdp", self.store),
@@ -210,7 +258,24 @@ class InplaceHSDPStrategy(InplaceStrategy):
             "optimizer": local_state(self.optimizer.state_dict()),
         }
 
+    def replica_group(self) -> GroupShards:
+        return self.shards
+
+    def replica_state(self, held: dict[str, Any]) -> dict[str, Any] | None:
+        """A checkpoint's shard file of this rank, when its group writes the checkpoint (the
+        group of the step's quorum rank 0): its local shards (``held``'s are copies) and its
+        random streams."""
+        if self.membership()[1] != 0:
+            return None
+        return {"rng": rng_state(), "strategy": held["strategy"]}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """This rank's shard file of the checkpoint a job run starts from."""
+        self.load_state_dict(state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "shards" in state:  # a checkpoint's shared part: the shards are in their files
+            return
         load_local(self.module.state_dict(), state["model"])
         own = self.optimizer.state_dict()
         if not own["state"]:  # no step taken yet: build the state to copy into
