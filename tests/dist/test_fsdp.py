@@ -172,6 +172,9 @@ def test_a_killed_hsdp_in_place_job_continues_from_its_group_checkpoint_bit_iden
     assert_no_orphans(out)
 
 
+# Every make stress round (make test's budget keeps the whole-job SIGKILL above, which
+# reads the group checkpoints, and the restart mode's preemption at three moments).
+@stress_only
 def test_a_preempted_hsdp_in_place_job_leaves_by_groups_and_continues(tmp_path):
     """SIGTERM: the ranks of a group leave after the same step (they agree on it: one that
     left alone would leave its mate in the step's collectives), the last step's writing
