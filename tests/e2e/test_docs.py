@@ -5,21 +5,30 @@ configuration key, and the README stays a front page."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 
+import pytest
+
 from tests.conftest import REPO
 
 
-def test_the_site_builds_strictly_with_every_flag_and_key(tmp_path):
-    site = tmp_path / "site"
+@pytest.fixture(scope="session")
+def site(tmp_path_factory):
+    """The site, built with --strict (as `make docs` does) once for the tests below."""
+    site = tmp_path_factory.mktemp("docs") / "site"
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=REPO, capture_output=True, text=True, timeout=240,
         env={"PATH": "/usr/bin:/bin", "NO_MKDOCS_2_WARNING": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    return site
+
+
+def test_the_site_builds_strictly_with_every_flag_and_key(site):
     from scaletrain.cli import build_parser
     from scaletrain.config import leaf_fields
 
@@ -124,3 +133,122 @@ def test_every_documented_command_is_one_the_command_line_takes(tmp_path, capsys
         elif argv[0] in ("predict", "plan") and "--calibrate" not in argv:
             assert run_command(argv) == 0, f"{where}: {capsys.readouterr().err}"
         capsys.readouterr()
+
+
+def runnable_blocks() -> list[tuple[str, list[list[str]]]]:
+    """The shell blocks the tutorials mark ``<!-- runnable -->`` (on the line before the
+    fence), in the site's order: (page, its command lines as argv). ``<!-- runnable:
+    FLAGS -->`` appends FLAGS to each ``scaletrain run`` of the block: the short version the
+    page's numbers do not need (fewer epochs)."""
+    import shlex
+
+    nav = (REPO / "mkdocs.yml").read_text()
+    pages = re.findall(r"^\s+- [^:]+: (tutorials/[\w-]+\.md)$", nav, re.M)
+    out = []
+    for page in pages:
+        text = (REPO / "docs" / page).read_text()
+        for flags, block in re.findall(r"<!-- runnable:?(.*?)-->\n```bash\n(.*?)```", text, re.S):
+            lines = re.sub(r"\\\n\s*", " ", block).splitlines()
+            commands = []
+            for line in filter(None, (line.strip() for line in lines)):
+                argv = shlex.split(line)
+                assert argv[0] == "scaletrain", f"{page}: a runnable block runs scaletrain only"
+                if argv[1] == "run":
+                    argv += shlex.split(flags)
+                commands.append(argv[1:])
+            out.append((page, commands))
+    return out
+
+
+def test_the_tutorials_take_a_newcomer_from_two_workers_to_a_recovery_and_64_gpus(tmp_path):
+    """The tutorials' runnable blocks, run in order as a reader would (in an empty directory,
+    each exit status checked): a 2-worker run, a worker SIGKILLed and recovered, and a
+    prediction for 64 GPUs from a calibration run."""
+    blocks = runnable_blocks()
+    flat = [" ".join(argv) for _, commands in blocks for argv in commands]
+    assert any("--nproc-per-node 2" in c and "--inject" not in c for c in flat), flat
+    assert any("--inject kill:" in c for c in flat), flat
+    assert any(c.startswith("predict") and "64" in c for c in flat), flat
+    for page, commands in blocks:
+        for argv in commands:
+            result = subprocess.run([sys.executable, "-m", "scaletrain", *argv], cwd=tmp_path,
+                                    capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert result.returncode == 0, (
+                f"{page}: scaletrain {' '.join(argv)}\n" + (result.stderr[-3000:])
+            )
+    recovered = (tmp_path / "runs" / "restart" / "summary.json").read_text()
+    assert '"kind": "restart"' in recovered or '"kind":"restart"' in recovered
+
+
+def test_every_python_block_in_the_docs_compiles():
+    blocks = [
+        (page, block)
+        for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    ]
+    assert len(blocks) >= 4
+    for page, block in blocks:
+        compile(block, str(page), "exec")
+
+
+BROWSER_MISSING = next(
+    (f"{tool} is not installed (scripts/install-chromium.sh)" for tool in
+     ("chromium", "chromedriver") if shutil.which(tool) is None), None)  # fmt: skip
+
+
+@pytest.mark.skipif(BROWSER_MISSING is not None, reason=str(BROWSER_MISSING))
+def test_every_page_of_the_site_in_headless_chromium(site):
+    """As a reader sees it, served over HTTP on loopback (the search index is fetched): every
+    page loads with no error in the browser's console and every image on it shows, and the
+    search box finds a flag by its name."""
+    import functools
+    import http.server
+    import threading
+
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        pages = sorted(p.relative_to(site).parent.as_posix() for p in site.rglob("index.html"))
+        assert len(pages) >= 30, pages
+        images = 0
+        for page in pages:
+            driver.get(f"{base}/{'' if page == '.' else page + '/'}")
+            shown = driver.execute_script(
+                "return Array.from(document.images).map(i => [i.src, i.complete, i.naturalWidth])"
+            )
+            for src, complete, width in shown:
+                assert complete and width > 0, (page, src)
+            images += len(shown)
+            errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+            assert errors == [], (page, errors)
+        assert images >= 1  # the report's picture on the home page
+        driver.get(f"{base}/")
+        driver.find_element(By.CSS_SELECTOR, "label[for='__search']").click()
+        box = driver.find_element(By.CSS_SELECTOR, "input[data-md-component='search-query']")
+        box.send_keys("checkpoint-every")
+        WebDriverWait(driver, 30).until(
+            lambda d: "reference/cli" in d.execute_script(
+                "return Array.from(document.querySelectorAll('.md-search-result__link'))"
+                ".map(a => a.href).join(' ')"
+            )
+        )  # fmt: skip
+        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+    finally:
+        driver.quit()
+        server.shutdown()
