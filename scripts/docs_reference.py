@@ -2,7 +2,7 @@
 README.md, the command line from scaletrain's own argparse parsers, and every configuration
 key from the config dataclasses. Generated at each build, so none can drift from its source.
 
-    python scripts/docs_reference.py cli|config|environment|exit-codes    prints a page
+    python scripts/docs_reference.py cli|config|environment|exit-codes|errors    prints a page
 """
 
 from __future__ import annotations
@@ -258,6 +258,85 @@ def exit_codes_page() -> str:
     ])  # fmt: skip
 
 
+# The exceptions whose message stops a run: input refused (ValueError), and failures that
+# say what to do.
+STOPPING = ("ValueError", "CheckpointError", "StateLost", "LaunchFailed", "PSFailed",
+            "WorkerFailed")  # fmt: skip
+
+
+def message_text(node: Any) -> str | None:
+    """The text of a message expression: literal parts kept, each value as "…"; None when
+    the message is not built from literals (a variable passed on)."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "…" for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = message_text(node.left), message_text(node.right)
+        return None if left is None or right is None else left + right
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "join":
+        return "…"
+    return None
+
+
+def stopping_messages() -> list[tuple[str, str]]:
+    """(module, message) of every message scaletrain can stop a run with:
+    every literal message raised as one of STOPPING, and every refusal of the modes' pre-start
+    checks (launch/modes.py appends them to a list). Read from the source with ``ast``."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "src"
+    out = []
+    for path in sorted((root / "scaletrain").rglob("*.py")):
+        module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
+        for node in ast.walk(ast.parse(path.read_text())):
+            call = None
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                name = getattr(node.exc.func, "id", getattr(node.exc.func, "attr", ""))
+                call = node.exc if name in STOPPING else None
+            elif (module == "scaletrain.launch.modes" and isinstance(node, ast.Call)
+                  and getattr(node.func, "attr", "") == "append"):  # fmt: skip
+                call = node
+            if call is None or not call.args:
+                continue
+            text = message_text(call.args[0])
+            if text and not text.startswith("internal failure"):
+                out.append((module, " ".join(text.split())))
+    return out
+
+
+def markdown_escaped(text: str) -> str:
+    """``text`` shown as written: Markdown's emphasis, code and link marks escaped."""
+    for mark in "\\`*_[]":
+        text = text.replace(mark, "\\" + mark)
+    return text.replace("<", "&lt;")
+
+
+def errors_page() -> str:
+    rows = stopping_messages()
+    lines = [
+        "# Error messages\n",
+        "Every message scaletrain can stop a run with, generated from the source (each "
+        "literal message raised as a refusal or a failure, and every refusal of the modes' "
+        "pre-start checks): the text as the code writes it, `…` where it puts a value (a "
+        "flag's value, a path, a count). A message names the flag or key at fault first "
+        "(`nnodes: …`), and says what to do instead. Input refused before anything starts "
+        "prints `scaletrain: error: …` and exits 2; a failure after the start exits 1 "
+        "([exit codes](exit-codes.md)). "
+        "[Troubleshooting](../guides/troubleshooting.md) explains the failures that need "
+        "more than a message. Messages that begin with `internal failure:` are bugs to "
+        "report, never your input, and are not listed.\n",
+        f"{len(rows)} messages.\n",
+    ]
+    for module in dict.fromkeys(m for m, _ in rows):
+        lines.append(f"## {module}\n")
+        lines += [f"- {markdown_escaped(text)}" for m, text in rows if m == module]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def home_page() -> str:
     """The site's home: README.md, its links made relative to docs/ (one text, two places)."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -270,7 +349,8 @@ def on_files(files: Any, config: Any) -> Any:
 
     pages = {"index.md": home_page, "reference/cli.md": cli_page,
              "reference/config.md": config_page, "reference/environment.md": environment_page,
-             "reference/exit-codes.md": exit_codes_page}  # fmt: skip
+             "reference/exit-codes.md": exit_codes_page,
+             "reference/errors.md": errors_page}  # fmt: skip
     for path, page in pages.items():
         files.append(File.generated(config, path, content=page()))
     return files
@@ -278,5 +358,5 @@ def on_files(files: Any, config: Any) -> Any:
 
 if __name__ == "__main__":
     pages = {"cli": cli_page, "config": config_page, "environment": environment_page,
-             "exit-codes": exit_codes_page}  # fmt: skip
+             "exit-codes": exit_codes_page, "errors": errors_page}  # fmt: skip
     sys.stdout.write(pages[sys.argv[1]]())

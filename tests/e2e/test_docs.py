@@ -55,6 +55,12 @@ def test_the_site_builds_strictly_with_every_flag_and_key(site):
             assert f"<code>{value}</code>" in environment, value
     home = (site / "index.html").read_text()
     assert "Setup: two commands" in home
+    # Every message a run can stop with, read from the source: a refusal of the modes'
+    # checks, a config error and a failure that says what to do.
+    errors = (site / "reference" / "errors" / "index.html").read_text()
+    for message in ("pass --replica-size R", "valid top-level keys", "the previous checkpoint"):
+        assert message in errors, message
+    assert int(re.search(r"(\d+) messages", errors).group(1)) >= 150
 
 
 def test_the_config_pages_example_is_a_config_that_loads(tmp_path):
