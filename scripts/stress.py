@@ -54,6 +54,7 @@ FAULT_TESTS = [
     "tests/dist/test_ps_server.py",
     "tests/dist/test_ps_transport.py",
     "tests/dist/test_ps_beat.py",
+    "tests/dist/test_ps_jobs.py",
     "tests/dist/test_inplace.py",
     "tests/dist/test_inplace_jobs.py",
     "tests/dist/test_inplace_rounds.py",

@@ -292,7 +292,10 @@ class FleetWorld(World):
         after each of its steps; those that look after the same step leave together, one
         that saw it a step later trains that step without them and leaves after it, so the
         last step's quorum rank 0 always leaves at it and checkpoints it. Local SGD and
-        DiLoCo leave only together, as their synchronization agreed (may_leave)."""
+        DiLoCo leave only together, as their synchronization agreed (may_leave). A
+        parameter server's worker leaves after its step, when it sees the request."""
+        if loop.cfg.train.strategy == "ps":  # the servers checkpoint once all have left
+            return preempt_path(loop.run_dir).exists()
         if not (self._in_place(loop) and loop.cfg.fault.checkpoints_on):
             return False
         if not loop.strategy.may_leave():

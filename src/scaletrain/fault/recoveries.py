@@ -227,6 +227,29 @@ def inplace_recoveries(deaths: list[Record], records: list[Record], world: int) 
     return sorted(out, key=lambda e: e["failed_at"])
 
 
+def ps_job_resumes(run_dir: Path, records: list[Record], events: list[Record],
+                   num_workers: int) -> list[Record]:  # fmt: skip
+    """One ``resume`` entry per later run of a parameter-server job (it continues after a
+    preemption, launch/jobs.py): the version server 0 restored, what ended the run before
+    it, and ``resumed_s``, the new run's start to its first step."""
+    out: list[Record] = []
+    for run in read_jsonl(run_dir / "logs" / "job_runs.jsonl"):
+        number = run.get("job_run", 0)
+        if number == 0 or "started_at" not in run:
+            continue
+        started = run["started_at"]
+        restored = [e["version"] for e in events if e["event"] == "restored"
+                    and e["server"] == 0 and e["unix_time"] >= started]  # fmt: skip
+        first = min((r["unix_time"] for r in records if r.get("job_run") == number),
+                    default=None)  # fmt: skip
+        details = job_resume_details(run_dir, records, number)
+        details["resumed_s"] = first - started if first is not None else None
+        out.append({"kind": "resume", "attempt": run.get("attempt_base", 0), "job_run": number,
+                    "world_size": num_workers, "step": restored[0] if restored else 0,
+                    "lost_steps": 0, **details})  # fmt: skip
+    return out
+
+
 def ps_recoveries(
     deaths: list[Record], events: list[Record], records: list[Record], num_workers: int
 ) -> list[Record]:

@@ -115,10 +115,13 @@ def fleet_stopper(cfg: RunConfig, run_dir: Path) -> Callable[[int, Any], None]:
     """What a preemption signal does under --recovery inplace or --strategy ps. In place with
     checkpoints, what it does in the restart mode: a request in the run directory, after
     which every replica leaves at its next step, the last step's writer checkpointing it
-    (lifecycle.FleetWorld.preempted), and the launcher exits 3 (launch/inplace.py). Otherwise
-    their jobs cannot be continued once they trained (launch/jobs.py), so the launcher stops
-    its processes now (the fleet's clean-up) and says so; before the first step the same
-    command starts the job again, which is a preemption like any other."""
+    (lifecycle.FleetWorld.preempted), and the launcher exits 3 (launch/inplace.py). Under a
+    parameter server the same request: every worker leaves after its step, then each server
+    checkpoints its slice (and server 0 the data plan) with nothing in flight, and the
+    launcher exits 3 (launch/ps.py). In place without checkpoints a job cannot be continued
+    once it trained (launch/jobs.py), so the launcher stops its processes now (the fleet's
+    clean-up) and says so; before the first step the same command starts the job again,
+    which is a preemption like any other."""
     from scaletrain.launch.modes import mode_of
 
     def stop(signum: int, frame: Any) -> None:
@@ -132,17 +135,12 @@ def fleet_stopper(cfg: RunConfig, run_dir: Path) -> Callable[[int, Any], None]:
                 f"preempted by {name} before the first step; nothing was trained, so running "
                 "the same command starts the job"
             )
-        if mode_of(cfg) == "inplace" and cfg.fault.checkpoints_on:
+        if mode_of(cfg) == "ps" or cfg.fault.checkpoints_on:
             request_preemption(run_dir, name)
             return
-        how = (
-            "pass --checkpoint-every N to make it continuable"
-            if mode_of(cfg) == "inplace"
-            else "the restart mode (the default --recovery) and in place with --checkpoint-every do"
-        )
         raise LaunchFailed(
             f"stopped by {name}: the workers were stopped. This job cannot be continued after "
-            f"a preemption ({how})"
+            "a preemption (pass --checkpoint-every N to make it continuable)"
         )
 
     return stop

@@ -15,8 +15,9 @@ and fsdp reshards through DCP), how long it trains, what it records and how it c
 Anything else is the math of the training (model, data, optimizer, batch, seed, precision,
 strategy, ...): a change is refused, naming the fields. In place (--recovery inplace) the
 replicas resume from the checkpoints one of them wrote (--checkpoint-every; a job without
-any is refused); the parameter-server mode does not resume a job that trained yet (its state
-is in the servers): refused; one preempted before its first step starts again.
+any is refused). A parameter-server job continues after a preemption, from the checkpoints
+its servers wrote once every worker had left; one killed whole is refused (each server's
+newest checkpoint is of its own moment); one preempted before its first step starts again.
 
 logs/job_runs.jsonl has a line when each job run starts (number, time, attempt base, what
 changed) and one when it ends (finished, preempted, failed). Attempts are numbered across the
@@ -112,10 +113,7 @@ def plan_job_run(cfg: RunConfig, out: Path, mode: str) -> JobRun:
         raise JobComplete(out)
     trained = (out / "metrics.jsonl").exists()
     if mode == "ps" and trained:
-        raise ValueError(
-            f"out: {out} holds a job; resuming a job runs in the restart mode or in place "
-            "(from its checkpoints), not under --strategy ps; pass another --out"
-        )
+        _check_ps_continues(cfg, out, finished)
     if mode == "inplace" and trained and not _has_checkpoints(out):
         raise ValueError(
             f"out: {out} holds a job that wrote no checkpoint, and in place the replicas' "
@@ -132,6 +130,39 @@ def plan_job_run(cfg: RunConfig, out: Path, mode: str) -> JobRun:
         attempt_base=next_attempt(out),
         resumed_from="finished" if finished else "unfinished",
     )
+
+
+def _check_ps_continues(cfg: RunConfig, out: Path, finished: bool) -> None:
+    """A parameter-server job continues from its servers' checkpoints only after a
+    preemption: then every worker had left and each server checkpointed with nothing in
+    flight, so the slices are of the same updates and server 0's data plan is theirs. After
+    a whole-job kill each server's newest checkpoint is of its own moment; that job is not
+    continued (nor is a finished one trained further: its servers wrote final slices)."""
+    if finished:
+        raise ValueError(
+            f"out: {out} holds a finished parameter-server job; training it further is not "
+            "built under --strategy ps (its servers wrote their final slices, not "
+            "checkpoints); pass another --out"
+        )
+    runs = [j for j in read_jsonl(job_runs_path(out)) if "ended_at" in j]
+    how = runs[-1].get("how") if runs else None
+    if how != "preempted":
+        ended = f"ended {how}" if how else "ended without a word (killed, or its machine lost)"
+        raise ValueError(
+            f"out: {out} holds a parameter-server job that {ended}: its servers' newest "
+            "checkpoints are each of their own moment, so it is not continued; a preempted "
+            "one is (SIGTERM or SIGUSR1: the servers checkpoint together). Pass another --out"
+        )
+    from scaletrain.fault.checkpoint import read_index
+
+    missing = [k for k in range(cfg.ps.num_servers)
+               if not read_index(out / "checkpoints" / f"server{k}")]  # fmt: skip
+    if missing:
+        raise ValueError(
+            f"out: {out} holds a preempted parameter-server job whose server(s) "
+            f"{', '.join(map(str, missing))} left no checkpoint: there is nothing to continue "
+            "from; pass another --out"
+        )
 
 
 def _has_checkpoints(out: Path) -> bool:

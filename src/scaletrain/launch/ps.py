@@ -28,8 +28,10 @@ from typing import Any
 
 from scaletrain import env
 from scaletrain.config import RunConfig
-from scaletrain.fault.recoveries import ps_recoveries
+from scaletrain.fault.preempt import preemption_request
+from scaletrain.fault.recoveries import ps_job_resumes, ps_recoveries
 from scaletrain.io import read_jsonl
+from scaletrain.launch.errors import Preempted
 from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals, save_final_model
 from scaletrain.metrics.logs import tail
@@ -85,6 +87,9 @@ class PSFleet(JobFleet):
                                       timeout=timedelta(seconds=cfg.launch.timeout_s))  # fmt: skip
             self.address = cfg.launch.rdzv_endpoint
         self.finish_at: float | None = None
+        # Node 0: the servers were told to checkpoint, not to finish (a preemption request
+        # before every worker had finished; one that comes later lets the job finish).
+        self.preempted = False
         self.started_wall: dict[int, float] = {}  # each rank's process start (wall clock)
         self.silenced: dict[int, str] = {}  # servers killed as frozen: why
         self._frozen_checked = 0.0
@@ -272,7 +277,10 @@ class PSFleet(JobFleet):
         if workers & failed == workers:
             return False
         if workers <= finished | failed and self.finish_at is None:
-            self.store.set("ps/finish", "1")
+            # Preempted: the workers left after their steps; the servers checkpoint instead
+            # of writing their final slices (server.py), and the launcher exits 3.
+            self.preempted = preemption_request(self.run_dir) is not None
+            self.store.set("ps/preempt" if self.preempted else "ps/finish", "1")
             self.finish_at = time.monotonic()
         if self.finish_at is not None:
             waiting = servers - finished
@@ -322,7 +330,8 @@ def recoveries(fleet: PSFleet) -> list[dict[str, Any]]:
     kinds = ("ps-worker", "ps-server")
     remote = [i for i in incidents if i["kind"] in kinds and i["rank"] not in fleet.local]
     deaths = [*fleet.deaths, *remote, *fleet.node_losses]
-    return ps_recoveries(deaths, events, records, fleet.num_workers)
+    resumes = ps_job_resumes(fleet.run_dir, records, events, fleet.num_workers)
+    return resumes + ps_recoveries(deaths, events, records, fleet.num_workers)
 
 
 def assemble(cfg: RunConfig, run_dir: Path, num_servers: int) -> tuple[Any, list[dict[str, Any]]]:
@@ -410,6 +419,15 @@ def run_ps(cfg: RunConfig, run_dir: Path, show_progress: bool) -> dict[str, Any]
         fleet.check()
     except PSFailed as e:
         raise WorkerFailed(str(e)) from None
+    request = preemption_request(run_dir)
+    # Every worker left, every server checkpointed (fleet_stopper); on another node, node 0
+    # decided (its launcher was signalled too: the request is in the shared run directory).
+    if request is not None and (fleet.preempted or not fleet.is_head):
+        raise Preempted(
+            f"preempted by {request['signal']}: the workers left after their steps and the "
+            f"servers checkpointed their slices in {run_dir / 'checkpoints'}; run the same "
+            f"command (--out {run_dir}) to continue the job"
+        )
     if not fleet.is_head:
         return {"run_dir": str(run_dir)}  # node 0 writes summary.json
     summary = finish_summary(fleet)

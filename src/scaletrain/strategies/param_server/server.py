@@ -186,14 +186,18 @@ class ShardServer:
         every = self.cfg.fault.checkpoint_interval
         if not every or self.version % every:
             return
-        state = {
+        threading.Thread(target=self._write, args=(self._state(),), daemon=True).start()
+
+    def _state(self) -> dict[str, Any]:
+        """What a checkpoint of this server holds (lock held): its slice, its optimizer state,
+        and server 0 the data plan (leases out saved as requeued)."""
+        return {
             "param": self.param.detach().clone(),
             "optimizer": _clone(self.optimizer.state_dict()),
             "version": self.version,
             "released_step": self.released_step,
             "coordinator": self.coordinator.state_dict() if self.coordinator else None,
         }
-        threading.Thread(target=self._write, args=(state,), daemon=True).start()
 
     def _write(self, state: dict[str, Any]) -> None:
         """In the background: updates go on while it writes, so a server that dies before
@@ -231,6 +235,9 @@ class ShardServer:
             threading.Thread(target=self._bound_watch, daemon=True).start()
         try:
             while not self.store.check(["ps/finish"]):
+                if self.store.check(["ps/preempt"]):
+                    self._checkpoint_preempted()
+                    return
                 time.sleep(0.1)
         finally:
             self.stop.set()
@@ -243,6 +250,18 @@ class ShardServer:
                 "samples_trained": self.coordinator.samples_trained if self.coordinator else 0,
             }
         atomic_torch_save(self.run_dir / "checkpoints" / f"final-server{self.index}.pt", final)
+        if self.ledger is not None:
+            self.ledger.close()
+
+    def _checkpoint_preempted(self) -> None:
+        """The job was preempted and every worker has left (launch/ps.py): nothing is in
+        flight, so the slices of all servers are of the same updates. Each writes its
+        checkpoint (after any background write of its own: save_lock), and the same command
+        continues from them."""
+        with self.cond:
+            state = self._state()
+        self._write(state)
+        log.info("server %d checkpointed version %d: preempted", self.index, self.version)
         if self.ledger is not None:
             self.ledger.close()
 

@@ -343,12 +343,19 @@ class PSWorkerStrategy(Strategy):
         )
 
     def finish(self) -> None:
+        """Tell every server this worker is done (its lease, if it holds one, is dealt
+        again: a preempted worker leaves between steps) and close the links."""
         for k, link in self.links.items():
             try:
                 link.send(tp.header(kind=tp.Kind.DONE, worker=self.worker))
             except RuntimeError:
                 log.warning("server %d gone at the end", k)
             link.close()
+        self.links = {}
+
+    def close(self) -> None:
+        """Leaving before the end (preempted: lifecycle.FleetWorld.preempted): done, too."""
+        self.finish()
 
     def _exchange(
         self, step: int, num_samples: int, grad: torch.Tensor
