@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -19,7 +20,8 @@ from scaletrain.fault.jobs import job_runs_path
 from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
 from scaletrain.io import append_jsonl, read_jsonl
 from scaletrain.launch.jobs import plan_job_run
-from tests.conftest import assert_no_orphans, run_cli, stress_only
+from scaletrain.strategies.param_server.server import consistent_checkpoint
+from tests.conftest import assert_no_orphans, kill_job, run_cli, stress_only
 from tests.dist.test_jobs import start, wait_for_step
 from tests.dist.test_param_server import DIGITS, JOB, PS, assert_exactly_once, assert_ledger_once
 
@@ -61,16 +63,60 @@ def test_a_preempted_parameter_server_job_continues_with_every_sample_once(tmp_p
     assert_no_orphans(out)
 
 
-def test_a_parameter_server_job_killed_whole_is_not_continued(tmp_path):
-    """Its servers' newest checkpoints are each of their own moment: refused before
-    anything starts, and why; a preempted one is continued (above)."""
-    cfg = with_overrides(RunConfig(), {"strategy": "ps", "nproc_per_node": 3,
-                                       "out": str(tmp_path)})  # fmt: skip
-    (tmp_path / "config.toml").write_text(dumps_toml(cfg.to_dict()))
-    append_jsonl(job_runs_path(tmp_path), {"job_run": 0, "started_at": 1.0, "attempt_base": 0})
-    append_jsonl(tmp_path / "metrics.jsonl", {"step": 1, "rank": 0})  # it trained, then died
-    with pytest.raises(ValueError, match="killed, or its machine lost"):
-        plan_job_run(cfg, tmp_path, "ps")
-    append_jsonl(job_runs_path(tmp_path), {"job_run": 0, "ended_at": 2.0, "how": "preempted"})
+def test_a_parameter_server_job_continues_only_from_checkpoints_of_one_moment(tmp_path):
+    """Refused before anything starts, and why: an asp job killed whole (each server
+    applies the pushes in its own order: their checkpoints are of different updates), a
+    bsp one without a checkpoint of one step on every server, a preempted one whose servers
+    left none."""
+    for consistency, message in [("asp", "killed, or its machine lost"),
+                                 ("bsp", "without checkpoints of one global step")]:  # fmt: skip
+        out = tmp_path / consistency
+        out.mkdir()
+        overrides = {"strategy": "ps", "nproc_per_node": 3, "consistency": consistency}
+        cfg = with_overrides(RunConfig(), {**overrides, "out": str(out)})
+        (out / "config.toml").write_text(dumps_toml(cfg.to_dict()))
+        append_jsonl(job_runs_path(out), {"job_run": 0, "started_at": 1.0, "attempt_base": 0})
+        append_jsonl(out / "metrics.jsonl", {"step": 1, "rank": 0})  # it trained, then died
+        with pytest.raises(ValueError, match=message):
+            plan_job_run(cfg, out, "ps")
+    append_jsonl(job_runs_path(out), {"job_run": 0, "ended_at": 2.0, "how": "preempted"})
     with pytest.raises(ValueError, match="left no checkpoint"):  # preempted before it wrote
-        plan_job_run(cfg, tmp_path, "ps")
+        plan_job_run(cfg, out, "ps")
+
+
+def test_a_bsp_parameter_server_job_killed_whole_continues_from_its_last_common_step(tmp_path):
+    """bsp: the servers apply each global step once, so the newest step every server
+    checkpointed (--checkpoint-every) is a consistent state of the job: the same command
+    continues from it after a whole-job SIGKILL, the steps after it trained again."""
+    out = tmp_path / "run"
+    # Every worker hangs before step 13 (once in the job: its first run), so the first run
+    # stands still there, with checkpoints of steps 5 and 10 on both servers.
+    hangs = ",".join(f"hang:rank={r}:step=13" for r in range(3))
+    job = [*PS, "--consistency", "bsp", "--epochs", "2", *JOB, "--checkpoint-every", "5",
+           "--log-sample-ids", "--inject", hangs, "--out", str(out)]  # fmt: skip
+    proc = start(*job)
+    fired = [out / "logs" / "faults" / f"hang-rank{r}-step13" for r in range(3)]
+    indexes = [out / "checkpoints" / f"server{k}" for k in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not (all(f.exists() for f in fired)
+               and all(10 in [e["step"] for e in read_index(d)] for d in indexes)):  # fmt: skip
+        assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+        time.sleep(0.05)
+    kill_job(proc, out)
+    assert consistent_checkpoint(out, 2) == 10
+
+    result = run_cli("run", *job)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    [resume] = summary["recoveries"]
+    assert (resume["kind"], resume["job_run"], resume["step"]) == ("resume", 1, 10)
+    assert "ended without a word" in resume["cause"]
+    # Steps 11 and 12 of the killed run were trained again: without them, each sample once
+    # (server 0's ledger: each applied lease, with the version that applied it).
+    ledger = read_jsonl(out / "logs" / "ps_ledger.jsonl")
+    redone = [e for e in ledger if e["job_run"] == 0 and e["version"] > 10]
+    assert {e["version"] for e in redone} == {11, 12}
+    kept = [{**e, "committed": True} for e in ledger if e not in redone]
+    assert_exactly_once(kept, 2)
+    assert summary["samples"] == 2 * DIGITS and summary["job_runs"] == 2
+    assert_no_orphans(out)

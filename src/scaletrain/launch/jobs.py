@@ -133,11 +133,13 @@ def plan_job_run(cfg: RunConfig, out: Path, mode: str) -> JobRun:
 
 
 def _check_ps_continues(cfg: RunConfig, out: Path, finished: bool) -> None:
-    """A parameter-server job continues from its servers' checkpoints only after a
-    preemption: then every worker had left and each server checkpointed with nothing in
-    flight, so the slices are of the same updates and server 0's data plan is theirs. After
-    a whole-job kill each server's newest checkpoint is of its own moment; that job is not
-    continued (nor is a finished one trained further: its servers wrote final slices)."""
+    """A parameter-server job continues from its servers' checkpoints after a preemption:
+    then every worker had left and each server checkpointed with nothing in flight, so the
+    slices are of the same updates and server 0's data plan is theirs. After a whole-job
+    kill, under bsp, from the newest global step that every server checkpointed (the
+    servers apply each step once); under asp and ssp each server applies the pushes in its
+    own order, so their checkpoints are of different updates: refused. A finished job is
+    not trained further (its servers wrote final slices, not checkpoints)."""
     if finished:
         raise ValueError(
             f"out: {out} holds a finished parameter-server job; training it further is not "
@@ -146,13 +148,25 @@ def _check_ps_continues(cfg: RunConfig, out: Path, finished: bool) -> None:
         )
     runs = [j for j in read_jsonl(job_runs_path(out)) if "ended_at" in j]
     how = runs[-1].get("how") if runs else None
-    if how != "preempted":
+    if how != "preempted" and cfg.ps.consistency != "bsp":
         ended = f"ended {how}" if how else "ended without a word (killed, or its machine lost)"
         raise ValueError(
-            f"out: {out} holds a parameter-server job that {ended}: its servers' newest "
-            "checkpoints are each of their own moment, so it is not continued; a preempted "
-            "one is (SIGTERM or SIGUSR1: the servers checkpoint together). Pass another --out"
+            f"out: {out} holds a {cfg.ps.consistency} parameter-server job that {ended}: "
+            "each server applies the pushes in its own order, so their newest checkpoints "
+            "are of different updates and it is not continued; a preempted one is (SIGTERM "
+            "or SIGUSR1: the servers checkpoint together), and so is a bsp one. Pass "
+            "another --out"
         )
+    if how != "preempted":  # bsp: from the newest global step every server checkpointed
+        from scaletrain.strategies.param_server.server import consistent_checkpoint
+
+        if consistent_checkpoint(out, cfg.ps.num_servers) is None:
+            raise ValueError(
+                f"out: {out} holds a bsp parameter-server job that ended without "
+                "checkpoints of one global step on every server (--checkpoint-every N makes "
+                "them): there is nothing consistent to continue from. Pass another --out"
+            )
+        return
     from scaletrain.fault.checkpoint import read_index
 
     missing = [k for k in range(cfg.ps.num_servers)

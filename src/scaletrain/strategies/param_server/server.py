@@ -25,14 +25,19 @@ dropped is requeued. It deals the first step once every worker has said hello (o
 --timeout-s): otherwise whichever worker imported torch first would start alone.
 
 With --checkpoint-every N a server saves its slice (and server 0 its coordinator) every N
-updates; a restarted server loads the newest and announces a new incarnation in the store, and
-the workers reconnect. Updates since that checkpoint are lost on that slice (recorded).
+updates, each after the update's lease is committed; a restarted server loads the newest and
+announces a new incarnation in the store, and the workers reconnect. Updates since that
+checkpoint are lost on that slice (recorded). Preempted, every server saves once the workers
+have left (ps/preempt); a later job run loads the newest, or under bsp the newest global step
+every server saved (consistent_checkpoint: after a whole-job kill, a server's newest may be
+of a step the others never saved).
 Events for summary.json's recoveries go to logs/ps_events.jsonl.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -42,8 +47,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from scaletrain import env
 from scaletrain.config import RunConfig
-from scaletrain.fault.checkpoint import load_latest, save_checkpoint
+from scaletrain.fault.checkpoint import load_latest, read_index, save_checkpoint
 from scaletrain.fault.inject import parse_inject
 from scaletrain.fault.watchdog import SelfWatchdog
 from scaletrain.io import JsonlWriter, append_jsonl, atomic_torch_save
@@ -66,6 +72,22 @@ LEDGER = "ps_ledger.jsonl"
 def server_beat_path(run_dir: Path, rank: int) -> Path:
     """The file a server's watchdog touches every second (its launcher reads its age)."""
     return run_dir / "logs" / "beats" / f"rank{rank}"
+
+
+def consistent_checkpoint(run_dir: Path, num_servers: int) -> int | None:
+    """bsp: the newest version that every server checkpointed at the same global step
+    (``released_step``), or None. The servers apply each global step once, so their
+    versions advance together, except where one was restored from an older checkpoint
+    mid-run: then the same version number names another step, which the step check
+    catches. Every candidate's files are read whole (checksummed)."""
+    directories = [run_dir / "checkpoints" / f"server{k}" for k in range(num_servers)]
+    versions = set.intersection(*({e["step"] for e in read_index(d)} for d in directories))
+    for version in sorted(versions, reverse=True):
+        states = [load_latest(d, below=version + 1)[0] for d in directories]
+        whole = [s for s in states if s is not None and s["version"] == version]
+        if len(whole) == num_servers and len({s["released_step"] for s in whole}) == 1:
+            return version
+    return None
 
 
 def first_line(e: BaseException) -> str:
@@ -134,6 +156,7 @@ class ShardServer:
         self.arrived: set[int] = set()
         self.barrier_opened = 0.0
         self.released_step = 0  # the last global step applied
+        self.checkpointed = -1  # the version of the last periodic checkpoint
         self.coordinator = None
         # Server 0's account of the leases it applied (_commit), open for the server's life.
         self.ledger = JsonlWriter(run_dir / "logs" / LEDGER) if index == 0 else None
@@ -162,8 +185,20 @@ class ShardServer:
     # -- checkpoints ---------------------------------------------------------------------
     def _restore(self) -> None:
         """The newest intact checkpoint of this server's slice (the shared format: a
-        checksummed index, loaded with weights_only=True; fault/checkpoint.py)."""
-        state, skipped = load_latest(self.checkpoint_dir)
+        checksummed index, loaded with weights_only=True; fault/checkpoint.py). At the
+        first start of a later job run under bsp, the newest one every server has, at the
+        same global step (consistent_checkpoint): the job was killed whole, and a server's
+        newest may be of a step the others never saved."""
+        below = None
+        if self.mode == "bsp" and self.attempt == 0 and int(os.environ.get(env.JOB_RUN, 0)):
+            common = consistent_checkpoint(self.run_dir, self.cfg.ps.num_servers)
+            if common is None:
+                raise RuntimeError(
+                    "internal failure: no checkpoint of one global step on every server "
+                    "(launch/jobs.py should have refused this job run)"
+                )
+            below = common + 1
+        state, skipped = load_latest(self.checkpoint_dir, below)
         for note in skipped:
             log.warning("skipping damaged checkpoint: %s", note)
         if state is None:
@@ -182,10 +217,11 @@ class ShardServer:
         )  # fmt: skip
 
     def _maybe_checkpoint(self) -> None:
-        """Called with the lock held, after an update."""
+        """Called with the lock held, after an update and its commit."""
         every = self.cfg.fault.checkpoint_interval
-        if not every or self.version % every:
+        if not every or self.version % every or self.version == self.checkpointed:
             return
+        self.checkpointed = self.version
         threading.Thread(target=self._write, args=(self._state(),), daemon=True).start()
 
     def _state(self) -> dict[str, Any]:
@@ -394,7 +430,8 @@ class ShardServer:
             total += len(lease.indices)
             self.ledger.write({"worker": worker, "epoch": lease.epoch, "step": lease.step,
                                "sample_ids": list(lease.indices), "version": self.version,
-                               "server_attempt": self.attempt})  # fmt: skip
+                               "server_attempt": self.attempt,
+                               "job_run": int(os.environ.get(env.JOB_RUN, 0))})  # fmt: skip
         return total
 
     def _drop(self, worker: int) -> int:
@@ -477,6 +514,9 @@ class ShardServer:
             self.clocks[worker] = int(head[tp.CLOCK])  # the worker's count, as every server's
             self.clock_moved[worker] = time.monotonic()
             committed = self._commit([worker]) > 0
+            # After the commit: a checkpoint of this update holds its lease as trained
+            # (before it, the lease was saved as out, and a restore trained it again).
+            self._maybe_checkpoint()
             if self.coordinator is not None:
                 self.leases.pop(worker, None)
             self.cond.notify_all()
@@ -522,7 +562,6 @@ class ShardServer:
         self.param.grad = None
         self.version += 1
         self.applied += 1
-        self._maybe_checkpoint()
         return factor
 
     def _bsp_push(self, worker: int, step: int, samples: int, grad: torch.Tensor,
@@ -586,6 +625,7 @@ class ShardServer:
             self.released_lr_factor = self._apply(self.barrier_sum / self.barrier_samples)
         self._commit(sorted(self.arrived))
         self.released_step = self.barrier_step
+        self._maybe_checkpoint()  # of the step as applied: its leases committed (as asp's)
         self.barrier_sum.zero_()
         self.barrier_samples = 0
         self.arrived = set()
