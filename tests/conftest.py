@@ -193,3 +193,27 @@ def built_once(tmp_path_factory: Any, name: str, build: Callable[[Path], None]) 
 stress_only = pytest.mark.skipif(
     not os.environ.get("SCALETRAIN_STRESS_SEED"), reason="runs in make stress (make test's budget)"
 )
+
+
+BROWSER_MISSING = next(
+    (f"{tool} is not installed (scripts/install-chromium.sh)" for tool in
+     ("chromium", "chromedriver") if shutil.which(tool) is None), None)  # fmt: skip
+needs_browser = pytest.mark.skipif(BROWSER_MISSING is not None, reason=str(BROWSER_MISSING))
+
+
+@contextlib.contextmanager
+def headless_chromium() -> Any:
+    """A selenium driver of headless Chromium that keeps the browser console's log (the
+    tests assert it holds no error), quit on leaving."""
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        yield driver
+    finally:
+        driver.quit()

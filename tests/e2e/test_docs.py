@@ -5,14 +5,13 @@ configuration key, and the README stays a front page."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import tomllib
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, headless_chromium, needs_browser
 
 
 @pytest.fixture(scope="session")
@@ -207,12 +206,7 @@ def test_every_python_block_in_the_docs_compiles():
         compile(block, str(page), "exec")
 
 
-BROWSER_MISSING = next(
-    (f"{tool} is not installed (scripts/install-chromium.sh)" for tool in
-     ("chromium", "chromedriver") if shutil.which(tool) is None), None)  # fmt: skip
-
-
-@pytest.mark.skipif(BROWSER_MISSING is not None, reason=str(BROWSER_MISSING))
+@needs_browser
 def test_every_page_of_the_site_in_headless_chromium(site):
     """As a reader sees it, served over HTTP on loopback (the search index is fetched): every
     page loads with no error in the browser's console and every image on it shows, and the
@@ -221,7 +215,6 @@ def test_every_page_of_the_site_in_headless_chromium(site):
     import http.server
     import threading
 
-    from selenium import webdriver
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -233,38 +226,33 @@ def test_every_page_of_the_site_in_headless_chromium(site):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
-    driver = webdriver.Chrome(options=options, service=service)
     try:
-        pages = sorted(p.relative_to(site).parent.as_posix() for p in site.rglob("index.html"))
-        assert len(pages) >= 30, pages
-        images = 0
-        for page in pages:
-            driver.get(f"{base}/{'' if page == '.' else page + '/'}")
-            shown = driver.execute_script(
-                "return Array.from(document.images).map(i => [i.src, i.complete, i.naturalWidth])"
-            )
-            for src, complete, width in shown:
-                assert complete and width > 0, (page, src)
-            images += len(shown)
-            errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
-            assert errors == [], (page, errors)
-        assert images >= 1  # the report's picture on the home page
-        driver.get(f"{base}/")
-        driver.find_element(By.CSS_SELECTOR, "label[for='__search']").click()
-        box = driver.find_element(By.CSS_SELECTOR, "input[data-md-component='search-query']")
-        box.send_keys("checkpoint-every")
-        WebDriverWait(driver, 30).until(
-            lambda d: "reference/cli" in d.execute_script(
-                "return Array.from(document.querySelectorAll('.md-search-result__link'))"
-                ".map(a => a.href).join(' ')"
-            )
-        )  # fmt: skip
-        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
+        with headless_chromium() as driver:
+            pages = sorted(p.relative_to(site).parent.as_posix() for p in site.rglob("index.html"))
+            assert len(pages) >= 30, pages
+            images = 0
+            for page in pages:
+                driver.get(f"{base}/{'' if page == '.' else page + '/'}")
+                shown = driver.execute_script(
+                    "return Array.from(document.images)"
+                    ".map(i => [i.src, i.complete, i.naturalWidth])"
+                )
+                for src, complete, width in shown:
+                    assert complete and width > 0, (page, src)
+                images += len(shown)
+                errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+                assert errors == [], (page, errors)
+            assert images >= 1  # the report's picture on the home page
+            driver.get(f"{base}/")
+            driver.find_element(By.CSS_SELECTOR, "label[for='__search']").click()
+            box = driver.find_element(By.CSS_SELECTOR, "input[data-md-component='search-query']")
+            box.send_keys("checkpoint-every")
+            WebDriverWait(driver, 30).until(
+                lambda d: "reference/cli" in d.execute_script(
+                    "return Array.from(document.querySelectorAll('.md-search-result__link'))"
+                    ".map(a => a.href).join(' ')"
+                )
+            )  # fmt: skip
+            assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
     finally:
-        driver.quit()
         server.shutdown()

@@ -6,12 +6,11 @@ import base64
 import io
 import json
 import re
-import shutil
 
 import pytest
 from PIL import Image
 
-from tests.conftest import built_once, run_cli, stress_only
+from tests.conftest import built_once, headless_chromium, needs_browser, run_cli, stress_only
 
 
 def embedded_images(page: str) -> list[Image.Image]:
@@ -61,23 +60,10 @@ def test_report_of_two_world_sizes_and_a_failure(report_page):
     assert "one" in page and "two" in page
 
 
-BROWSER_MISSING = next(
-    (f"{tool} is not installed (scripts/install-chromium.sh)" for tool in
-     ("chromium", "chromedriver") if shutil.which(tool) is None), None)  # fmt: skip
-
-
-@pytest.mark.skipif(BROWSER_MISSING is not None, reason=str(BROWSER_MISSING))
+@needs_browser
 def test_report_in_headless_chromium(report_page, tmp_path):
     """As a person would see it: every image on the page loads, and nothing logs an error."""
-    from selenium import webdriver
-
-    options = webdriver.ChromeOptions()
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
-    driver = webdriver.Chrome(options=options, service=service)
-    try:
+    with headless_chromium() as driver:
         driver.set_window_size(1280, 2000)
         driver.get(report_page.as_uri())
         images = driver.execute_script(
@@ -90,8 +76,6 @@ def test_report_in_headless_chromium(report_page, tmp_path):
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert errors == []
         driver.save_screenshot(str(tmp_path / "report.png"))
-    finally:
-        driver.quit()
 
 
 def test_report_refuses_a_directory_without_summary(tmp_path):
