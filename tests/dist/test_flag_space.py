@@ -81,6 +81,9 @@ FIXED = [
     # The recipe's lr 0.1 on one replica's 8 samples a step diverged for this seed (0.19).
     fixed("--strategy ddp --nproc-per-node 1 --model cnn --seed 13 --checkpoint-async",
           crash=False),
+    # --strategy tensor at --tp 1 reached fsdp's summary, which asked for replica groups
+    # tensor parallelism does not set: the run trained, then failed writing its summary.
+    fixed("--strategy tensor --nproc-per-node 2 --model mlp --grad-accum 2", crash=True),
 ]  # fmt: skip
 CASES = FIXED + accepted_draws(SEED, DRAWS)
 

@@ -105,6 +105,11 @@ class TensorStrategy(FSDPStrategy):
         self.loss_fn = loss_fn
         self.replica: nn.Module | None = None
 
+    def summary_info(self) -> dict[str, Any]:
+        """fsdp's without its replica groups, which tensor parallelism does not have (with
+        --tp 1 the strategy is data parallel alone)."""
+        return {"tensor_parallel": {"tp": self.tp, "data_parallel": self.dp}} if self.tp > 1 else {}
+
     def _count_activation(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
         self.activation_bytes += local(output).numel() * local(output).element_size()
 
