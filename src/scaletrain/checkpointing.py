@@ -286,7 +286,7 @@ class ReplicaCheckpointing(Checkpointing):
 
     def prepare(self, *, background: bool) -> Callable[[], None]:
         t, held, own, main = self.trainer, self._state, self._own, self._main
-        group = cast("InplaceStrategy", t.strategy).replica_group()
+        group = t.strategy.replica_group()
         progress = Progress(**held["progress"])
         step = self.written_step = progress.step
         t.watchdog.enter(step, "writing a checkpoint", "")
@@ -319,7 +319,7 @@ class ReplicaCheckpointing(Checkpointing):
 
     def agreed_max(self, values: torch.Tensor) -> torch.Tensor:
         """Each replica plans its own; the ranks of a replica group together."""
-        group = cast("InplaceStrategy", self.trainer.strategy).replica_group()
+        group = self.trainer.strategy.replica_group()
         return values if group is None else group.max(values)
 
     def settle(self) -> None:

@@ -28,7 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,9 +45,6 @@ from scaletrain.fault.watchdog import NullWatchdog, SelfWatchdog, Watchdog
 from scaletrain.io import atomic_torch_save, atomic_write_json
 from scaletrain.loop import Loop
 from scaletrain.metrics.summary import RankTotals, SummaryParts, params_sha256, write_summary
-
-if TYPE_CHECKING:
-    from scaletrain.strategies.inplace import InplaceStrategy
 
 log = logging.getLogger("scaletrain.lifecycle")
 
@@ -270,7 +267,7 @@ class FleetWorld(World):
             return None
         # A replica group's ranks read the shard files of their rank in the group, and take
         # a checkpoint only when every one of them can (ReplicaCheckpointing).
-        group = cast("InplaceStrategy", loop.strategy).replica_group()
+        group = loop.strategy.replica_group()
         resumed = resume(
             loop.run_dir / "checkpoints",
             loop.restore_checkpoint,
@@ -294,7 +291,7 @@ class FleetWorld(World):
         last step's quorum rank 0 always leaves at it and checkpoints it. Local SGD and
         DiLoCo leave only together, as their synchronization agreed (may_leave). A
         parameter server's worker leaves after its step, when it sees the request."""
-        if loop.cfg.train.strategy == "ps":  # the servers checkpoint once all have left
+        if loop.strategy.leaves_when_asked:
             return preempt_path(loop.run_dir).exists()
         if not (self._in_place(loop) and loop.cfg.fault.checkpoints_on):
             return False
@@ -303,7 +300,7 @@ class FleetWorld(World):
         asked = preempt_path(loop.run_dir).exists()
         # The ranks of a replica group leave together (one that left alone would leave its
         # mates in the step's collectives): when any of them saw the request.
-        group = cast("InplaceStrategy", loop.strategy).replica_group()
+        group = loop.strategy.replica_group()
         return asked if group is None else not group.agree(not asked)
 
     def eval_part(self, loop: Loop) -> tuple[int, int] | None:

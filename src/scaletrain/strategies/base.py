@@ -114,6 +114,37 @@ class StrategyChecks:
         return model_bytes(model) * (2 + optimizer_copies)
 
 
+class ReplicaGroup:
+    """The processes of one replica when it is more than one: in-place HSDP's group of R
+    ranks, each holding a shard of the state (strategies/inplace_hsdp.py). Its checkpoint
+    is one file of the shared state and one file per shard, written by the ranks of the
+    writing group; what the ranks of a group must agree on (the checkpoint they resume
+    from, the step they leave at, the interval auto chooses) goes through these."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self.size = size  # the group's ranks: the checkpoint's shard files
+        self.rank = rank  # this process's rank in its group: the shard file it writes, reads
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        """The largest of the group's ``values`` (a collective of the group)."""
+        raise NotImplementedError
+
+    def agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank of the group (a collective of the group)."""
+        flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+        return float(self.max(flag)[0]) == 0.0
+
+    def shard_written(self, step: int) -> None:
+        """This rank's shard file of the checkpoint of ``step`` is on disk."""
+        raise NotImplementedError
+
+    def await_shards(self, step: int) -> None:
+        """Block until every rank of the group wrote its shard file of ``step`` (the
+        group's rank 0, before it publishes the checkpoint: one that names missing shards
+        would be one nobody can resume from). Raises when one does not come in time."""
+        raise NotImplementedError
+
+
 class Strategy(StepEssentials, StrategyChecks, ABC):
     # The collective a train step waits in, as hang reports name it (fault/watchdog.py); the
     # one the plan waits in before a step, and the one reading ``model`` takes part in.
@@ -129,6 +160,11 @@ class Strategy(StepEssentials, StrategyChecks, ABC):
     # The final model is on this process at the end (not so for a parameter-server worker:
     # the servers hold it), so it evaluates its part of the test split.
     holds_final_model: ClassVar[bool] = True
+    # Leaves after its step whenever the launcher asks it to (a preemption), checkpoints on
+    # or not: a parameter server's worker, whose state the servers hold and checkpoint once
+    # every worker has left. Otherwise a fleet's process leaves only where its job
+    # checkpoints (in place), and a group's ranks by their agreement (lifecycle.py).
+    leaves_when_asked: ClassVar[bool] = False
 
     def __init__(self, ctx: DistContext, cfg: RunConfig) -> None:
         self.ctx = ctx
@@ -219,6 +255,11 @@ class Strategy(StepEssentials, StrategyChecks, ABC):
         place) with nothing of the others' lost: local SGD in place only just after a
         synchronization, so that every replica leaves with the state of the same one."""
         return True
+
+    def replica_group(self) -> ReplicaGroup | None:
+        """The processes of this rank's replica when it is more than this one (in-place
+        HSDP's group); None: a replica is a process."""
+        return None
 
     def resumed_at(self, step: int) -> None:
         """The loop began from the checkpoint of ``step`` (in place: where the quorum's step

@@ -203,37 +203,6 @@ class StateLost(RuntimeError):
     (InplaceStrategy.check_state_held)."""
 
 
-class ReplicaGroup:
-    """The processes of one replica when it is more than one: in-place HSDP's group of R
-    ranks, each holding a shard of the state (strategies/inplace_hsdp.py). Its checkpoint
-    is one file of the shared state and one file per shard, written by the ranks of the
-    writing group; what the ranks of a group must agree on (the checkpoint they resume
-    from, the step they leave at, the interval auto chooses) goes through these."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self.size = size  # the group's ranks: the checkpoint's shard files
-        self.rank = rank  # this process's rank in its group: the shard file it writes, reads
-
-    def max(self, values: torch.Tensor) -> torch.Tensor:
-        """The largest of the group's ``values`` (a collective of the group)."""
-        raise NotImplementedError
-
-    def agree(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank of the group (a collective of the group)."""
-        flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
-        return float(self.max(flag)[0]) == 0.0
-
-    def shard_written(self, step: int) -> None:
-        """This rank's shard file of the checkpoint of ``step`` is on disk."""
-        raise NotImplementedError
-
-    def await_shards(self, step: int) -> None:
-        """Block until every rank of the group wrote its shard file of ``step`` (the
-        group's rank 0, before it publishes the checkpoint: one that names missing shards
-        would be one nobody can resume from). Raises when one does not come in time."""
-        raise NotImplementedError
-
-
 class InplaceStrategy(Strategy):
     supports_fp16 = True  # every participant holds the same gradients after the all-reduce
     collective = "torchft gradient all-reduce"
@@ -362,11 +331,6 @@ class InplaceStrategy(Strategy):
         """The state every replica holds alike, with its progress (what a checkpoint of the
         job holds): after a committed step, the live one."""
         return self._live_state()
-
-    def replica_group(self) -> ReplicaGroup | None:
-        """The replica's processes when it is more than this one (None: a replica is a
-        process)."""
-        return None
 
     def replica_state(self, held: dict[str, Any]) -> dict[str, Any] | None:
         """What of ``held`` (a consistent_state) differs between replicas and so each writes

@@ -53,7 +53,7 @@ from scaletrain import env
 from scaletrain.data.plans import RunEnded
 from scaletrain.fault.recovery import rng_state
 from scaletrain.net import bound_store
-from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, StepResult
+from scaletrain.strategies.base import Batch, LossFn, OptimizerFactory, ReplicaGroup, StepResult
 from scaletrain.strategies.fsdp import (
     compile_units,
     gather_replica,
@@ -62,7 +62,7 @@ from scaletrain.strategies.fsdp import (
     shard_units,
     sharded_memory,
 )
-from scaletrain.strategies.inplace import InplaceStrategy, ReplicaGroup, run_ended
+from scaletrain.strategies.inplace import InplaceStrategy, run_ended
 
 
 def local_state(state: Any) -> Any:

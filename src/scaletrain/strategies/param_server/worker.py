@@ -65,6 +65,7 @@ class PSWorkerStrategy(Strategy):
     collective = "parameter-server push and pull"
     plan_collective = "parameter-server lease"  # a wait there is the servers' (ssp's bound)
     holds_final_model = False  # the servers hold it; the launcher assembles and scores it
+    leaves_when_asked = True  # the servers checkpoint once every worker has left
     balance_refusal = (
         "asynchronous workers never wait for each other (asp, ssp); bsp deals leases of "
         "--batch-size each"
