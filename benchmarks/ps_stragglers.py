@@ -52,7 +52,8 @@ def build_task(cfg: RunConfig) -> Task:
     return Task(model=model, train_data=train, test_data=None)
 
 
-def run(out: Path, workers: int, consistency: str, inject: str, steps: int) -> float:
+def run(out: Path, workers: int, consistency: str, inject: str, steps: int,
+        checkpoint_every: int = 0) -> float:  # fmt: skip
     """Applied samples per second over the training window of one run."""
     overrides: dict[str, Any] = {
         "out": str(out),
@@ -66,6 +67,7 @@ def run(out: Path, workers: int, consistency: str, inject: str, steps: int) -> f
         "num_threads": 1,
         "inject": inject,
         "lr": 0.01,
+        "checkpoint_every": checkpoint_every,
     }
     if consistency.startswith("ssp"):
         overrides["staleness"] = int(consistency[4:-1])

@@ -217,13 +217,14 @@ def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
     assert summary["test_accuracy"] >= 0.93, summary["test_accuracy"]
     [death] = summary["recoveries"]
     assert death["kind"] == "ps-server" and death["server"] == 1 and death["restarted"]
-    # Killed before its 25th update, it reloads the newest slice whose write was complete:
-    # the one of update 20, unless that background write was still in flight (then 10).
+    # Killed before its 25th update, it reloads its newest slice whose write was complete:
+    # its copy of a cut (every 10 of server 0's updates, once the leases then out were
+    # pushed: cuts.py), or a newer one written in the moment before the kill.
     events = read_jsonl(out / "logs" / "ps_events.jsonl")
     saved = [e["version"] for e in events if e["event"] == "saved" and e["server"] == 1
              and e["attempt"] == 0 and e["unix_time"] < death["failed_at"]]  # fmt: skip
     restored = death["restored_version"]
-    assert restored == 20 or (restored == 10 and 10 in saved and 20 not in saved), saved
+    assert 10 <= max(saved) <= restored < 25, (restored, saved)
     assert death["resumed_s"] > 0
     # Its slice lost updates 21-24; server 0's did not.
     updates = summary["ps"]["server_updates"]
@@ -234,7 +235,7 @@ def test_ssp_server_killed_restarts_from_its_checkpoint(tmp_path):
     # checksummed index, and loadable with weights_only=True (fault/checkpoint.py).
     for server in (0, 1):
         state, skipped = load_latest(out / "checkpoints" / f"server{server}")
-        assert state is not None and not skipped and state["version"] % 10 == 0
+        assert state is not None and not skipped and state["cut"] is not None
     assert_no_orphans(out)
 
 

@@ -2,8 +2,10 @@
 before taking it away): every worker leaves after its step, then each server checkpoints its
 slice with nothing in flight (server 0 its data plan too), the launcher exits 3, and the same
 command continues the job from those checkpoints with every sample trained once per epoch.
-A job killed whole is not continued (each server's newest checkpoint is of its own moment):
-refused, saying so. Real launchers, real signals, gloo on loopback."""
+A job killed whole continues from the newest moment every server checkpointed: under bsp a
+global step, under asp and ssp a cut (the servers copy their state together, with no push in
+flight: strategies/param_server/cuts.py). Real launchers, real signals and SIGKILLs, gloo on
+loopback."""
 
 from __future__ import annotations
 
@@ -15,12 +17,12 @@ import time
 import pytest
 
 from scaletrain.config import RunConfig, dumps_toml, with_overrides
-from scaletrain.fault.checkpoint import read_index
+from scaletrain.fault.checkpoint import load_latest, read_index
 from scaletrain.fault.jobs import job_runs_path
 from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
 from scaletrain.io import append_jsonl, read_jsonl
 from scaletrain.launch.jobs import plan_job_run
-from scaletrain.strategies.param_server.server import consistent_checkpoint
+from scaletrain.strategies.param_server.cuts import consistent_checkpoint
 from tests.conftest import assert_no_orphans, kill_job, run_cli, stress_only
 from tests.dist.test_jobs import start, wait_for_step
 from tests.dist.test_param_server import DIGITS, JOB, PS, assert_exactly_once, assert_ledger_once
@@ -64,11 +66,10 @@ def test_a_preempted_parameter_server_job_continues_with_every_sample_once(tmp_p
 
 
 def test_a_parameter_server_job_continues_only_from_checkpoints_of_one_moment(tmp_path):
-    """Refused before anything starts, and why: an asp job killed whole (each server
-    applies the pushes in its own order: their checkpoints are of different updates), a
-    bsp one without a checkpoint of one step on every server, a preempted one whose servers
-    left none."""
-    for consistency, message in [("asp", "killed, or its machine lost"),
+    """Refused before anything starts, and why: a job killed whole without a checkpoint of
+    one cut (asp) or global step (bsp) on every server, a preempted one whose servers left
+    none."""
+    for consistency, message in [("asp", "killed, or its machine lost.* of one cut"),
                                  ("bsp", "without checkpoints of one global step")]:  # fmt: skip
         out = tmp_path / consistency
         out.mkdir()
@@ -103,7 +104,7 @@ def test_a_bsp_parameter_server_job_killed_whole_continues_from_its_last_common_
         assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
         time.sleep(0.05)
     kill_job(proc, out)
-    assert consistent_checkpoint(out, 2) == 10
+    assert consistent_checkpoint(out, 2, "bsp") == [10, 10]
 
     result = run_cli("run", *job)
     assert result.returncode == 0, result.stderr
@@ -117,6 +118,57 @@ def test_a_bsp_parameter_server_job_killed_whole_continues_from_its_last_common_
     redone = [e for e in ledger if e["job_run"] == 0 and e["version"] > 10]
     assert {e["version"] for e in redone} == {11, 12}
     kept = [{**e, "committed": True} for e in ledger if e not in redone]
+    assert_exactly_once(kept, 2)
+    assert summary["samples"] == 2 * DIGITS and summary["job_runs"] == 2
+    assert_no_orphans(out)
+
+
+@pytest.mark.parametrize("consistency", ["asp", pytest.param("ssp", marks=stress_only)])
+def test_an_asynchronous_parameter_server_job_killed_whole_continues_from_its_last_cut(
+    tmp_path, consistency
+):
+    """asp and ssp: every --checkpoint-every updates the servers take a cut (no lease out,
+    each server's copy of the same pushes). A SIGKILL of the whole job mid-run, pushes in
+    flight, and the same command continues from the newest cut on every server: what was
+    applied after it is trained again, every other sample once per epoch."""
+    out = tmp_path / "run"
+    bound = ["--staleness", "2"] if consistency == "ssp" else []
+    job = [*PS, "--consistency", consistency, *bound, "--lr", "0.05", "--epochs", "2", *JOB,
+           "--checkpoint-every", "8", "--log-sample-ids", "--out", str(out)]  # fmt: skip
+    # Worker 0 is slowed (sleeps, the same math) so that the kill lands mid-run.
+    proc = start(*job, "--inject", "slow:rank=0:factor=4")
+    deadline = time.monotonic() + 120
+    while (cut := consistent_checkpoint(out, 2, consistency)) is None or cut[0] < 16:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+        time.sleep(0.05)
+    kill_job(proc, out)
+    cut = consistent_checkpoint(out, 2, consistency)
+    assert cut is not None
+    # Both servers' copies of the cut hold the same pushes: each worker's last one alike,
+    # and as many (no server restarted: its version counts the pushes it applied).
+    copies = [load_latest(out / "checkpoints" / f"server{k}", below=cut[k] + 1)[0]
+              for k in (0, 1)]  # fmt: skip
+    assert copies[0]["clocks"] == copies[1]["clocks"] and copies[0]["clocks"]
+    assert cut[0] == cut[1] and copies[0]["cut"] == copies[1]["cut"]
+    events = read_jsonl(out / "logs" / "ps_events.jsonl")
+    taken = [e for e in events if e["event"] == "cut"]
+    assert taken and all(e["paused_s"] < 30 for e in taken)
+
+    result = run_cli("run", *job)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    [resume] = summary["recoveries"]
+    assert (resume["kind"], resume["job_run"], resume["step"]) == ("resume", 1, cut[0])
+    assert "ended without a word" in resume["cause"]
+    # Each server restored its copy of that cut.
+    restored = [e for e in read_jsonl(out / "logs" / "ps_events.jsonl")
+                if e["event"] == "restored" and e["attempt"] == 0]  # fmt: skip
+    assert sorted((e["server"], e["version"]) for e in restored) == [(0, cut[0]), (1, cut[1])]
+    # What server 0 applied after the cut was trained again; without it, each sample once
+    # (server 0's ledger: each applied lease, with the version that applied it).
+    ledger = read_jsonl(out / "logs" / "ps_ledger.jsonl")
+    kept = [{**e, "committed": True} for e in ledger
+            if e["job_run"] == 1 or e["version"] <= cut[0]]  # fmt: skip
     assert_exactly_once(kept, 2)
     assert summary["samples"] == 2 * DIGITS and summary["job_runs"] == 2
     assert_no_orphans(out)

@@ -4,7 +4,8 @@ over real gloo links on loopback:
   --barrier-timeout-s, the step is applied without it, its batch is dealt again first, its
   late push is refused, and it can join again at the next step;
 - ssp: a worker too far ahead of the slowest is held until the slowest catches up;
-- admission: a joiner without the job's token (or replaying a record) gets no link.
+- admission: a joiner without the job's token (or replaying a record) gets no link;
+- a cut (asp): a server copies exactly the pushes the cut holds.
 
 Every test ends with its server finished, its workers gone and every thread it started joined
 (``no_thread_outlives_its_test``): a daemon thread still inside a torch call at interpreter
@@ -119,6 +120,7 @@ def in_thread(fn, *args):
 def start_server(
     tmp_path, consistency: str = "bsp", staleness: int = -1, num_train: int = 8, *,
     index: int = 0, num_servers: int = 1, attempt: int = 0, barrier_timeout_s: float = 1.0,
+    checkpoint_every: int = 0,
 ) -> tuple[TCPStore, ShardServer]:  # fmt: skip
     """Server ``index`` of ``num_servers``, of 2 workers over 2 parameters (both 1.0, SGD
     lr 1), in a thread."""
@@ -129,8 +131,11 @@ def start_server(
                "staleness": staleness,
                "num_servers": num_servers},
         "launch": {"timeout_s": 30.0},
+        "fault": {"checkpoint_every": checkpoint_every},
     })  # fmt: skip
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    if index:  # the server 0 a cut's follower watches (test_a_cut_...)
+        store.set("ps/server0/incarnation", "0")
     model = nn.Linear(2, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0)
@@ -380,3 +385,32 @@ def test_a_worker_waits_for_a_server_that_starts_later_than_the_timeout(tmp_path
         worker._await_incarnation(0)
     store.set("ps/server0/incarnation", "1")
     assert worker._await_incarnation(0) == 1
+
+
+def test_a_cut_copies_the_pushes_it_holds_and_holds_back_the_next_ones(tmp_path):
+    """asp, server 1 of 2, the test playing server 0's part of a cut (cuts.py). Frozen, the
+    server reports the pushes it applied; the cut then holds one more of worker a (server 0
+    had applied it, this one had not got it yet): the server applies it before its copy.
+    Worker b's next push, beyond the cut, is not in the copy: it is applied after."""
+    from scaletrain.fault.checkpoint import load_latest, read_index
+    from scaletrain.strategies.param_server import cuts
+
+    store, server = start_server(tmp_path, "asp", index=1, num_servers=2, checkpoint_every=100)
+    a = Worker(store.port, 0, server=1, numel=1)
+    b = Worker(store.port, 1, server=1, numel=1)
+    a.hello(), b.hello()
+    a.push(1, [1.0], BATCH), b.push(2, [1.0], BATCH)
+    store.set(cuts.LATEST, "1")
+    store.wait([cuts.applied(1, 1)])
+    assert cuts.decode(store.get(cuts.applied(1, 1))) == {0: (0, 1), 1: (0, 1)}
+    beyond, _ = in_thread(b.push, 3, [1.0], BATCH)  # b's clock 2: not in the cut
+    owed, _ = in_thread(a.push, 4, [1.0], BATCH)  # a's clock 2: in it
+    store.set(cuts.pushes(1), cuts.encode({0: (0, 2), 1: (0, 1)}))
+    store.wait([cuts.copied(1, 1)])
+    owed.join(30), beyond.join(30)
+    directory = tmp_path / "checkpoints" / "server1"
+    wait_for(server, lambda s: read_index(directory))  # written in the background
+    copy = load_latest(directory)[0]
+    assert copy["cut"] == [0, 1] and copy["clocks"] == {0: 2, 1: 1} and copy["version"] == 3
+    wait_for(server, lambda s: s.version == 4 and s.clocks == {0: 2, 1: 2})
+    store.set("ps/finish", "1")

@@ -185,3 +185,21 @@ def test_bsp_max_steps_counts_steps_across_an_epoch_boundary():
         for w in leases:
             c.commit(w)
     assert sizes == [12, 12, 2, 12, 12]
+
+
+def test_a_cut_holds_each_workers_newest_push_and_a_server_has_it_once_applied():
+    """cuts.py: the pushes a cut holds are, of each worker, the newest any server applied
+    (of its newest process); a server has reached them when it applied each, or when that
+    worker's process is gone or another."""
+    from scaletrain.strategies.param_server import cuts
+
+    # Server 0 applied worker 1's push 7, server 1 not yet (in flight); worker 2 restarted
+    # (process 1) and server 1 saw its new process's join at clock 3.
+    held = cuts.newest([{0: (0, 5), 1: (0, 7), 2: (0, 9)}, {0: (0, 5), 1: (0, 6), 2: (1, 3)}])
+    assert held == {0: (0, 5), 1: (0, 7), 2: (1, 3)}
+    assert cuts.decode(cuts.encode(held).encode()) == held
+    sessions = {0: 0, 1: 0, 2: 1}
+    assert not cuts.reached(held, {0, 1, 2}, sessions, {0: 5, 1: 6, 2: 3})  # push 7 owed
+    assert cuts.reached(held, {0, 1, 2}, sessions, {0: 5, 1: 7, 2: 3})
+    assert cuts.reached(held, {0, 2}, sessions, {0: 5, 2: 3})  # worker 1 died meanwhile
+    assert cuts.reached(held, {0, 1, 2}, {0: 0, 1: 1, 2: 1}, {0: 5, 1: 0, 2: 3})  # restarted

@@ -133,13 +133,12 @@ def plan_job_run(cfg: RunConfig, out: Path, mode: str) -> JobRun:
 
 
 def _check_ps_continues(cfg: RunConfig, out: Path, finished: bool) -> None:
-    """A parameter-server job continues from its servers' checkpoints after a preemption:
-    then every worker had left and each server checkpointed with nothing in flight, so the
-    slices are of the same updates and server 0's data plan is theirs. After a whole-job
-    kill, under bsp, from the newest global step that every server checkpointed (the
-    servers apply each step once); under asp and ssp each server applies the pushes in its
-    own order, so their checkpoints are of different updates: refused. A finished job is
-    not trained further (its servers wrote final slices, not checkpoints)."""
+    """A parameter-server job continues from the newest moment every server checkpointed
+    (strategies/param_server/cuts.py): after a preemption, when every worker had left and
+    each server checkpointed with nothing in flight; after a whole-job kill, the newest
+    global step every server checkpointed (bsp) or the newest cut (asp, ssp: the servers
+    copied their state together, with no push in flight). A finished job is not trained
+    further (its servers wrote final slices, not checkpoints)."""
     if finished:
         raise ValueError(
             f"out: {out} holds a finished parameter-server job; training it further is not "
@@ -148,35 +147,23 @@ def _check_ps_continues(cfg: RunConfig, out: Path, finished: bool) -> None:
         )
     runs = [j for j in read_jsonl(job_runs_path(out)) if "ended_at" in j]
     how = runs[-1].get("how") if runs else None
-    if how != "preempted" and cfg.ps.consistency != "bsp":
-        ended = f"ended {how}" if how else "ended without a word (killed, or its machine lost)"
-        raise ValueError(
-            f"out: {out} holds a {cfg.ps.consistency} parameter-server job that {ended}: "
-            "each server applies the pushes in its own order, so their newest checkpoints "
-            "are of different updates and it is not continued; a preempted one is (SIGTERM "
-            "or SIGUSR1: the servers checkpoint together), and so is a bsp one. Pass "
-            "another --out"
-        )
-    if how != "preempted":  # bsp: from the newest global step every server checkpointed
-        from scaletrain.strategies.param_server.server import consistent_checkpoint
+    from scaletrain.strategies.param_server.cuts import consistent_checkpoint
 
-        if consistent_checkpoint(out, cfg.ps.num_servers) is None:
-            raise ValueError(
-                f"out: {out} holds a bsp parameter-server job that ended without "
-                "checkpoints of one global step on every server (--checkpoint-every N makes "
-                "them): there is nothing consistent to continue from. Pass another --out"
-            )
+    if consistent_checkpoint(out, cfg.ps.num_servers, cfg.ps.consistency) is not None:
         return
-    from scaletrain.fault.checkpoint import read_index
-
-    missing = [k for k in range(cfg.ps.num_servers)
-               if not read_index(out / "checkpoints" / f"server{k}")]  # fmt: skip
-    if missing:
+    if how == "preempted":
         raise ValueError(
-            f"out: {out} holds a preempted parameter-server job whose server(s) "
-            f"{', '.join(map(str, missing))} left no checkpoint: there is nothing to continue "
-            "from; pass another --out"
+            f"out: {out} holds a preempted parameter-server job whose servers left no "
+            "checkpoint of one moment on every server: there is nothing to continue from; "
+            "pass another --out"
         )
+    ended = f"ended {how}" if how else "ended without a word (killed, or its machine lost)"
+    of = "one global step" if cfg.ps.consistency == "bsp" else "one cut"
+    raise ValueError(
+        f"out: {out} holds a {cfg.ps.consistency} parameter-server job that {ended} without "
+        f"checkpoints of {of} on every server (--checkpoint-every N makes them): there is "
+        "nothing consistent to continue from. Pass another --out"
+    )
 
 
 def _has_checkpoints(out: Path) -> bool:

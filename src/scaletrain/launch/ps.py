@@ -21,6 +21,7 @@ restores (logs/ps_events.jsonl) become ``recoveries``.
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -348,6 +349,21 @@ def assemble(cfg: RunConfig, run_dir: Path, num_servers: int) -> tuple[Any, list
     return task, finals
 
 
+def cut_summary(run_dir: Path, cfg: RunConfig) -> dict[str, Any] | None:
+    """asp and ssp with checkpoints: the cuts taken (strategies/param_server/cuts.py), the
+    abandoned ones, and how long each held the workers (median, total)."""
+    if cfg.ps.consistency == "bsp" or not cfg.fault.checkpoint_interval:
+        return None
+    events = read_jsonl(run_dir / "logs" / "ps_events.jsonl")
+    paused = [e["paused_s"] for e in events if e["event"] == "cut"]
+    return {
+        "taken": len(paused),
+        "abandoned": sum(e["event"] == "cut_abandoned" for e in events),
+        "median_pause_s": statistics.median(paused) if paused else None,
+        "pause_s": round(sum(paused), 4),
+    }
+
+
 def finish_summary(fleet: PSFleet) -> dict[str, Any]:
     """summary.json from the workers' finals (the loop's, logs/final/) and the servers' final
     slices, assembled into the model and scored here, with the evaluation every mode uses."""
@@ -395,6 +411,10 @@ def finish_summary(fleet: PSFleet) -> dict[str, Any]:
                 # Parameter tensors each server holds all or part of (a large one is split).
                 "server_tensors": [len(h) for h in held],
                 "server_updates": [f["applied"] for f in finals],
+                # Each server process's peak resident memory (its slice, optimizer state,
+                # buffers, and the torch it imported).
+                "server_peak_rss_bytes": [f.get("peak_rss_bytes") for f in finals],
+                "cuts": cut_summary(run_dir, cfg),
                 "transport": "gloo point-to-point, one two-rank group per worker-server link",
             },
             "staleness_histogram": staleness_histogram(r["staleness"] for r in records),

@@ -25,12 +25,13 @@ dropped is requeued. It deals the first step once every worker has said hello (o
 --timeout-s): otherwise whichever worker imported torch first would start alone.
 
 With --checkpoint-every N a server saves its slice (and server 0 its coordinator) every N
-updates, each after the update's lease is committed; a restarted server loads the newest and
-announces a new incarnation in the store, and the workers reconnect. Updates since that
-checkpoint are lost on that slice (recorded). Preempted, every server saves once the workers
-have left (ps/preempt); a later job run loads the newest, or under bsp the newest global step
-every server saved (consistent_checkpoint: after a whole-job kill, a server's newest may be
-of a step the others never saved).
+updates, each after the update's lease is committed: under bsp each server at its own
+global steps, under asp and ssp all servers at once, in a cut (cuts.py: every server holds
+the pushes that arrive while they agree on which pushes the copies hold). A restarted server
+loads its newest and announces a new incarnation in the store, and the workers reconnect;
+updates since that checkpoint are lost on that slice (recorded). Preempted, every server
+saves once the workers have left (ps/preempt). A later job run (after a preemption or a
+whole-job kill) loads the newest moment every server checkpointed (cuts.consistent_checkpoint).
 Events for summary.json's recoveries go to logs/ps_events.jsonl.
 """
 
@@ -53,8 +54,10 @@ from scaletrain.fault.checkpoint import load_latest, read_index, save_checkpoint
 from scaletrain.fault.inject import parse_inject
 from scaletrain.fault.watchdog import SelfWatchdog
 from scaletrain.io import JsonlWriter, append_jsonl, atomic_torch_save
+from scaletrain.metrics.summary import peak_rss_bytes
 from scaletrain.schedule import lr_factor, scale_lr
 from scaletrain.strategies.param_server import consistency as rules
+from scaletrain.strategies.param_server import cuts
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.admission import Admission
 from scaletrain.strategies.param_server.coordinator import DataCoordinator, Lease
@@ -72,22 +75,6 @@ LEDGER = "ps_ledger.jsonl"
 def server_beat_path(run_dir: Path, rank: int) -> Path:
     """The file a server's watchdog touches every second (its launcher reads its age)."""
     return run_dir / "logs" / "beats" / f"rank{rank}"
-
-
-def consistent_checkpoint(run_dir: Path, num_servers: int) -> int | None:
-    """bsp: the newest version that every server checkpointed at the same global step
-    (``released_step``), or None. The servers apply each global step once, so their
-    versions advance together, except where one was restored from an older checkpoint
-    mid-run: then the same version number names another step, which the step check
-    catches. Every candidate's files are read whole (checksummed)."""
-    directories = [run_dir / "checkpoints" / f"server{k}" for k in range(num_servers)]
-    versions = set.intersection(*({e["step"] for e in read_index(d)} for d in directories))
-    for version in sorted(versions, reverse=True):
-        states = [load_latest(d, below=version + 1)[0] for d in directories]
-        whole = [s for s in states if s is not None and s["version"] == version]
-        if len(whole) == num_servers and len({s["released_step"] for s in whole}) == 1:
-            return version
-    return None
 
 
 def first_line(e: BaseException) -> str:
@@ -157,6 +144,11 @@ class ShardServer:
         self.barrier_opened = 0.0
         self.released_step = 0  # the last global step applied
         self.checkpointed = -1  # the version of the last periodic checkpoint
+        self.job_run = int(os.environ.get(env.JOB_RUN, 0))
+        # asp/ssp: a cut is due (server 0 takes it: cuts.py); this server is frozen for one
+        # (pushes held), and the pushes it holds, once known.
+        self.cut_due = self.frozen = False
+        self.cut_pushes: dict[int, tuple[int, int]] | None = None
         self.coordinator = None
         # Server 0's account of the leases it applied (_commit), open for the server's life.
         self.ledger = JsonlWriter(run_dir / "logs" / LEDGER) if index == 0 else None
@@ -186,18 +178,21 @@ class ShardServer:
     def _restore(self) -> None:
         """The newest intact checkpoint of this server's slice (the shared format: a
         checksummed index, loaded with weights_only=True; fault/checkpoint.py). At the
-        first start of a later job run under bsp, the newest one every server has, at the
-        same global step (consistent_checkpoint): the job was killed whole, and a server's
-        newest may be of a step the others never saved."""
+        first start of a later job run, the one of the newest moment every server
+        checkpointed (cuts.consistent_checkpoint): after a whole-job kill a server's newest
+        may be of updates the others never saved."""
         below = None
-        if self.mode == "bsp" and self.attempt == 0 and int(os.environ.get(env.JOB_RUN, 0)):
-            common = consistent_checkpoint(self.run_dir, self.cfg.ps.num_servers)
-            if common is None:
+        if self.attempt == 0 and self.job_run:
+            num_servers = self.cfg.ps.num_servers
+            common = cuts.consistent_checkpoint(self.run_dir, num_servers, self.mode)
+            if common is not None:
+                below = common[self.index] + 1
+            elif any(read_index(self.run_dir / "checkpoints" / f"server{k}")
+                     for k in range(num_servers)):  # fmt: skip
                 raise RuntimeError(
-                    "internal failure: no checkpoint of one global step on every server "
+                    "internal failure: no checkpoint of one moment on every server "
                     "(launch/jobs.py should have refused this job run)"
                 )
-            below = common + 1
         state, skipped = load_latest(self.checkpoint_dir, below)
         for note in skipped:
             log.warning("skipping damaged checkpoint: %s", note)
@@ -217,23 +212,166 @@ class ShardServer:
         )  # fmt: skip
 
     def _maybe_checkpoint(self) -> None:
-        """Called with the lock held, after an update and its commit."""
+        """Called with the lock held, after an update and its commit. bsp: every server
+        writes its own (a global step is the same updates on each); asp and ssp: server 0
+        makes a cut due (_lead_cuts), the others copy theirs when it publishes it."""
         every = self.cfg.fault.checkpoint_interval
         if not every or self.version % every or self.version == self.checkpointed:
             return
         self.checkpointed = self.version
+        if self.mode != "bsp":
+            if self.coordinator is not None:
+                self.cut_due = True
+                self.cond.notify_all()
+            return
         threading.Thread(target=self._write, args=(self._state(),), daemon=True).start()
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, cut: list[int] | None = None) -> dict[str, Any]:
         """What a checkpoint of this server holds (lock held): its slice, its optimizer state,
-        and server 0 the data plan (leases out saved as requeued)."""
+        and server 0 the data plan (leases out saved as requeued); under asp and ssp the
+        cut it is of (cuts.py)."""
         return {
             "param": self.param.detach().clone(),
             "optimizer": _clone(self.optimizer.state_dict()),
             "version": self.version,
             "released_step": self.released_step,
+            "cut": cut,
+            # asp, ssp: the clock of each live worker's last push this server applied (a
+            # cut's copies on every server hold the same).
+            "clocks": dict(self.clocks),
             "coordinator": self.coordinator.state_dict() if self.coordinator else None,
         }
+
+    # -- cuts (asp, ssp: cuts.py) --------------------------------------------------------
+    def _lead_cuts(self) -> None:
+        """Server 0: take each cut that falls due: publish it, freeze, collect every
+        server's applied pushes, publish the cut's pushes (the newest of each worker any
+        server applied), copy this server's state at them; write the copy once every
+        server has made one (otherwise no file of that cut could be continued from)."""
+        while not self.stop.is_set():
+            with self.cond:
+                if not self.cond.wait_for(lambda: self.stop.is_set() or self.cut_due, 0.5):
+                    continue
+            if self.stop.is_set():
+                return
+            began = time.monotonic()
+            n = self.store.add(cuts.COUNT, 1)
+            incarnations = self._server_incarnations()
+            self.store.set(cuts.LATEST, str(n))
+            own = self._freeze(n)
+            reports, missing = self._await_all(cuts.applied, n, incarnations)
+            pushes = cuts.newest([own, *(cuts.decode(r) for r in reports)]) \
+                if not missing else None  # fmt: skip
+            self.store.set(cuts.pushes(n), cuts.encode(pushes) if pushes is not None else "")
+            state = self._copy_at(n, pushes)
+            held = time.monotonic() - began
+            if not missing:
+                missing = self._await_all(cuts.copied, n, incarnations)[1]
+            with self.cond:
+                self.cut_due = False
+            event = {"event": "cut", "server": 0, "cut": n,
+                     "version": state["version"] if state else self.version,
+                     "paused_s": round(held, 4)}  # fmt: skip
+            if missing or state is None:
+                log.warning("cut %d abandoned: server(s) %s did not take part", n, missing)
+                append_event(self.run_dir, {**event, "event": "cut_abandoned",
+                                            "missing": missing})  # fmt: skip
+                continue
+            append_event(self.run_dir, event)
+            threading.Thread(target=self._write, args=(state,), daemon=True).start()
+
+    def _follow_cuts(self) -> None:
+        """Every server but 0: take part in each cut server 0 publishes after this
+        incarnation began (one published before may be of pushes it lost)."""
+        seen = int(self.store.get(cuts.LATEST)) if self.store.check([cuts.LATEST]) else 0
+        while not self.stop.wait(0.01):
+            if not self.store.check([cuts.LATEST]) or int(self.store.get(cuts.LATEST)) <= seen:
+                continue
+            n = seen = int(self.store.get(cuts.LATEST))
+            leader = self.store.get("ps/server0/incarnation")
+            self.store.set(cuts.applied(n, self.index), cuts.encode(self._freeze(n)))
+            text = self._await_key(cuts.pushes(n), leader)
+            state = self._copy_at(n, cuts.decode(text) if text else None)
+            if state is not None:
+                self.store.set(cuts.copied(n, self.index), "1")
+                threading.Thread(target=self._write, args=(state,), daemon=True).start()
+
+    def _freeze(self, n: int) -> dict[int, tuple[int, int]]:
+        """Hold every push not yet applied (``_may_apply``) and return the pushes this
+        server applied: each live worker's process attempt and clock."""
+        with self.cond:
+            self.frozen, self.cut_pushes = True, None
+            return {w: (self.sessions[w], self.clocks[w]) for w in self.live}
+
+    def _copy_at(self, n: int, pushes: dict[int, tuple[int, int]] | None) -> dict | None:
+        """Apply the held pushes the cut holds, copy this server's state, thaw. None: the
+        cut was abandoned, or its pushes did not all arrive within --timeout-s."""
+        with self.cond:
+            state = None
+            if pushes is not None:
+                self.cut_pushes = pushes
+                self.cond.notify_all()
+                if self._await_pushes(pushes) and not self.stop.is_set():
+                    state = self._state([self.job_run, n])
+                else:
+                    log.warning("cut %d: the pushes it holds did not all arrive", n)
+            self.frozen, self.cut_pushes = False, None
+            self.cond.notify_all()
+            return state
+
+    def _may_apply(self, worker: int, clock: int) -> bool:
+        """Lock held: whether a push may be applied now: always, but during a cut only
+        those the cut holds (once it is known which)."""
+        if not self.frozen or self.stop.is_set() or worker not in self.live:
+            return True
+        held = self.cut_pushes.get(worker) if self.cut_pushes is not None else None
+        return held is not None and held[0] == self.sessions.get(worker) and clock <= held[1]
+
+    def _await_pushes(self, pushes: dict[int, tuple[int, int]]) -> bool:
+        """Lock held: until this server has applied a cut's pushes (False: not within
+        --timeout-s)."""
+        return self.cond.wait_for(
+            lambda: (
+                self.stop.is_set() or cuts.reached(pushes, self.live, self.sessions, self.clocks)
+            ),
+            timeout=self.cfg.launch.timeout_s,
+        )
+
+    def _server_incarnations(self) -> list[bytes]:
+        return [self.store.get(f"ps/server{k}/incarnation")
+                for k in range(self.cfg.ps.num_servers)]  # fmt: skip
+
+    def _await_all(
+        self, key: Callable[[int, int], str], n: int, incarnations: list[bytes]
+    ) -> tuple[list[bytes], list[int]]:
+        """Server 0: every other server's value of ``key(n, k)``, and the servers that gave
+        none: one restarted since the cut began (its state is not of those pushes), or
+        silent for --timeout-s (one that froze is restarted by its launcher before that)."""
+        values: dict[int, bytes] = {}
+        waiting = set(range(1, self.cfg.ps.num_servers))
+        deadline = time.monotonic() + self.cfg.launch.timeout_s
+        while waiting and not self.stop.is_set() and time.monotonic() < deadline:
+            for k in sorted(waiting):
+                if self.store.check([key(n, k)]):
+                    values[k] = self.store.get(key(n, k))
+                    waiting.discard(k)
+                elif self.store.get(f"ps/server{k}/incarnation") != incarnations[k]:
+                    return [], sorted(waiting)
+            if waiting:
+                time.sleep(0.002)
+        return [values[k] for k in sorted(values)], sorted(waiting)
+
+    def _await_key(self, key: str, leader: bytes) -> bytes:
+        """A follower: the value server 0 publishes at ``key`` (empty: none, the cut was
+        abandoned, or server 0 restarted or fell silent for --timeout-s meanwhile)."""
+        deadline = time.monotonic() + self.cfg.launch.timeout_s
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            if self.store.check([key]):
+                return self.store.get(key)
+            if self.store.get("ps/server0/incarnation") != leader:
+                break
+            time.sleep(0.002)
+        return b""
 
     def _write(self, state: dict[str, Any]) -> None:
         """In the background: updates go on while it writes, so a server that dies before
@@ -269,6 +407,9 @@ class ShardServer:
             threading.Thread(target=self._barrier_watch, daemon=True).start()
         if self.mode == "ssp":
             threading.Thread(target=self._bound_watch, daemon=True).start()
+        if self.mode != "bsp" and self.cfg.fault.checkpoint_interval:
+            lead = self._lead_cuts if self.coordinator is not None else self._follow_cuts
+            threading.Thread(target=lead, name="cuts", daemon=True).start()
         try:
             while not self.store.check(["ps/finish"]):
                 if self.store.check(["ps/preempt"]):
@@ -284,6 +425,7 @@ class ShardServer:
                 "version": self.version,
                 "applied": self.applied,
                 "samples_trained": self.coordinator.samples_trained if self.coordinator else 0,
+                "peak_rss_bytes": peak_rss_bytes(),
             }
         atomic_torch_save(self.run_dir / "checkpoints" / f"final-server{self.index}.pt", final)
         if self.ledger is not None:
@@ -293,9 +435,17 @@ class ShardServer:
         """The job was preempted and every worker has left (launch/ps.py): nothing is in
         flight, so the slices of all servers are of the same updates. Each writes its
         checkpoint (after any background write of its own: save_lock), and the same command
-        continues from them."""
+        continues from them. Under asp and ssp it is a cut, named by server 0."""
         with self.cond:
             state = self._state()
+        if self.mode != "bsp":
+            if self.coordinator is not None:
+                self.store.set(cuts.PREEMPT, str(self.store.add(cuts.COUNT, 1)))
+            try:
+                self.store.wait([cuts.PREEMPT])  # the store's timeout: --timeout-s
+                state["cut"] = [self.job_run, int(self.store.get(cuts.PREEMPT))]
+            except RuntimeError as e:  # server 0 is gone: a checkpoint of no cut
+                log.warning("server 0 named no cut for the preemption: %s", first_line(e))
         self._write(state)
         log.info("server %d checkpointed version %d: preempted", self.index, self.version)
         if self.ledger is not None:
@@ -505,6 +655,8 @@ class ShardServer:
         started = time.perf_counter()
         step, samples = int(head[tp.STEP]), int(head[tp.NUM_SAMPLES])
         with self.cond:
+            if self.frozen:  # a cut (asp, ssp): held unless the cut holds this push
+                self.cond.wait_for(lambda: self._may_apply(worker, int(head[tp.CLOCK])))
             if worker not in self.live:
                 return self._dropped_reply()
             stale = rules.staleness(self.version, int(head[tp.VERSION_ON]))
