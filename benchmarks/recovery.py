@@ -29,7 +29,12 @@ checkpointing in the background costs the step almost nothing.
    on disk), against HSDP in place without checkpoints.
    Floor: async <= 5%, in every mode.
 
-    python benchmarks/recovery.py [--repeats 3] [--parts recovery,heal,checkpoint]
+3. The parameter server's server restart: server 1 of 2 SIGKILLed before its 25th update
+   (asp, ssp(2), bsp; --checkpoint-every 10): kill -> its slice restored, kill -> the
+   slice's next applied update, and the updates of that slice lost (since its checkpoint).
+   Floor: the next update within 2 s.
+
+    python benchmarks/recovery.py [--repeats 3] [--parts recovery,ps,heal,checkpoint]
 """
 
 from __future__ import annotations
@@ -151,6 +156,30 @@ def recovery_times(tmp: Path, repeats: int) -> None:
             )
 
 
+def ps_server_kill(tmp: Path, repeats: int) -> None:
+    """The parameter server's restart path: server 1 of 2 (3 workers) SIGKILLed before its
+    25th update, --checkpoint-every 10: its launcher restarts it, it reloads its newest
+    checkpoint, the workers reconnect. From its recoveries entry: resumed_s (kill -> slice
+    restored), next_update_s (kill -> the slice's next applied update) and the updates of
+    that slice lost with it (24 applied before the kill, minus the version it restored)."""
+    print("\nparameter-server server killed, restart from its checkpoint (median over repeats)")
+    print(f"{'mode':<8} {'restored_s':>10} {'next_update_s':>13} {'lost updates':>12}  floor")
+    for mode, flags in {"asp": ["asp"], "ssp(2)": ["ssp", "--staleness", "2"],
+                        "bsp": ["bsp"]}.items():  # fmt: skip
+        rows = []
+        for i in range(repeats):
+            args = ["--strategy", "ps", "--nproc-per-node", "5", "--num-servers", "2",
+                    "--consistency", *flags, "--epochs", "3", "--checkpoint-every", "10",
+                    "--max-restarts", "1", "--inject", "kill:rank=4:step=25"]  # fmt: skip
+            summary = run(args, tmp / f"ps-{flags[0]}-{i}")
+            [death] = [r for r in summary["recoveries"] if r["kind"] == "ps-server"]
+            rows.append((death["resumed_s"], death["next_update_s"],
+                         24 - death["restored_version"]))  # fmt: skip
+        restored, nxt, lost = (statistics.median(col) for col in zip(*rows, strict=True))
+        verdict = FLOORS.check(f"ps {mode}: kill to next update <= 2 s", nxt <= 2)
+        print(f"{mode:<8} {restored:10.2f} {nxt:13.2f} {lost:12.0f}  <= 2 s: {verdict}")
+
+
 def heal_throughput(tmp: Path, repeats: int) -> None:
     """A restarted replica copies the training state from a live peer (torchft's HTTP
     checkpoint transport): a model large enough for the copy to dominate (mlp, width 1024:
@@ -223,10 +252,11 @@ def checkpoint_overhead(tmp: Path, repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--parts", default="recovery,heal,checkpoint",
+    parser.add_argument("--parts", default="recovery,ps,heal,checkpoint",
                         help="which measurements (comma-separated)")  # fmt: skip
     args = parser.parse_args()
-    parts = {"recovery": recovery_times, "heal": heal_throughput, "checkpoint": checkpoint_overhead}
+    parts = {"recovery": recovery_times, "ps": ps_server_kill, "heal": heal_throughput,
+             "checkpoint": checkpoint_overhead}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.parts.split(","):
             parts[name](Path(tmp), args.repeats)

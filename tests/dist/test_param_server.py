@@ -260,6 +260,8 @@ def test_a_hung_server_is_ended_by_its_watchdog_and_restarted_from_its_checkpoin
     # It restored a checkpoint of before its 8th update: the 5th, or none yet (0) if that
     # write was still in flight.
     assert hang["restored_version"] in (0, 5), hang
+    # Its slice trained again after it was restored (the first update of its new process).
+    assert hang["next_update_s"] >= hang["resumed_s"] > 0, hang
     assert all(r["attempt"] == 0 for r in records)  # the workers only waited
     assert_exactly_once(records, 2)
     assert_ledger_once(out, 2)

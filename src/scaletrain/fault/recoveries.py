@@ -293,6 +293,10 @@ def ps_recoveries(
             entry["restored_version"] = restored[0]["version"] if restored else None
             entry["resumed_s"] = restored[0]["unix_time"] - died if restored else None
             entry["detected_s"] = 0.0  # a link breaks the moment its process dies
+            # Its slice's next applied update: from the kill to training again.
+            updated = [e for e in events if e["event"] == "updated" and e["server"] == server
+                       and e["attempt"] == death["attempt"] + 1]  # fmt: skip
+            entry["next_update_s"] = updated[0]["unix_time"] - died if updated else None
         out.append(entry)
     # Workers dropped without dying: from a bsp barrier, or (ssp) from the staleness bound
     # by every server alike (server 0's drop is the one that re-dealt the lease).

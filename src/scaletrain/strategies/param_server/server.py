@@ -145,6 +145,7 @@ class ShardServer:
         self.released_step = 0  # the last global step applied
         self.checkpointed = -1  # the version of the last periodic checkpoint
         self.job_run = int(os.environ.get(env.JOB_RUN, 0))
+        self.restarted_idle = attempt > 0  # until its first update (the "updated" event)
         # asp/ssp: a cut is due (server 0 takes it: cuts.py); this server is frozen for one
         # (pushes held), and the pushes it holds, once known.
         self.cut_due = self.frozen = False
@@ -689,9 +690,14 @@ class ShardServer:
         learning rate (consistency.py)."""
         self.watchdog.enter(self.version + 1, "apply")
         try:
-            return self._apply_now(grad, staleness)
+            factor = self._apply_now(grad, staleness)
         finally:
             self.watchdog.enter(self.version, SelfWatchdog.IDLE)
+        if self.restarted_idle:  # a restarted server's first update: its slice trains again
+            self.restarted_idle = False
+            event = {"event": "updated", "server": self.index, "version": self.version}
+            append_event(self.run_dir, {**event, "attempt": self.attempt})
+        return factor
 
     def _apply_now(self, grad: torch.Tensor, staleness: int | None) -> float:
         # kill:rank=R:step=S (and hang) fire at server rank R's S-th update.
