@@ -111,6 +111,7 @@ def test_a_bsp_parameter_server_job_killed_whole_continues_from_its_last_common_
     summary = json.loads((out / "summary.json").read_text())
     [resume] = summary["recoveries"]
     assert (resume["kind"], resume["job_run"], resume["step"]) == ("resume", 1, 10)
+    assert resume["lost_steps"] == 2  # steps 11 and 12, trained again
     assert "ended without a word" in resume["cause"]
     # Steps 11 and 12 of the killed run were trained again: without them, each sample once
     # (server 0's ledger: each applied lease, with the version that applied it).
@@ -159,6 +160,9 @@ def test_an_asynchronous_parameter_server_job_killed_whole_continues_from_its_la
     summary = json.loads((out / "summary.json").read_text())
     [resume] = summary["recoveries"]
     assert (resume["kind"], resume["job_run"], resume["step"]) == ("resume", 1, cut[0])
+    ledger = read_jsonl(out / "logs" / "ps_ledger.jsonl")
+    redone = {e["version"] for e in ledger if e["job_run"] == 0 and e["version"] > cut[0]}
+    assert resume["lost_steps"] == len(redone)
     assert "ended without a word" in resume["cause"]
     # Each server restored its copy of that cut.
     restored = [e for e in read_jsonl(out / "logs" / "ps_events.jsonl")
@@ -166,7 +170,6 @@ def test_an_asynchronous_parameter_server_job_killed_whole_continues_from_its_la
     assert sorted((e["server"], e["version"]) for e in restored) == [(0, cut[0]), (1, cut[1])]
     # What server 0 applied after the cut was trained again; without it, each sample once
     # (server 0's ledger: each applied lease, with the version that applied it).
-    ledger = read_jsonl(out / "logs" / "ps_ledger.jsonl")
     kept = [{**e, "committed": True} for e in ledger
             if e["job_run"] == 1 or e["version"] <= cut[0]]  # fmt: skip
     assert_exactly_once(kept, 2)

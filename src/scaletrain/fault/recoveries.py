@@ -231,8 +231,11 @@ def ps_job_resumes(run_dir: Path, records: list[Record], events: list[Record],
                    num_workers: int) -> list[Record]:  # fmt: skip
     """One ``resume`` entry per later run of a parameter-server job (it continues after a
     preemption, launch/jobs.py): the version server 0 restored, what ended the run before
-    it, and ``resumed_s``, the new run's start to its first step."""
+    it, and ``resumed_s``, the new run's start to its first step. ``lost_steps``: the
+    updates server 0 applied in the run before after that version (server 0's ledger),
+    trained again (none after a preemption: every server checkpointed its last)."""
     out: list[Record] = []
+    ledger = read_jsonl(run_dir / "logs" / "ps_ledger.jsonl")
     for run in read_jsonl(run_dir / "logs" / "job_runs.jsonl"):
         number = run.get("job_run", 0)
         if number == 0 or "started_at" not in run:
@@ -244,9 +247,12 @@ def ps_job_resumes(run_dir: Path, records: list[Record], events: list[Record],
                     default=None)  # fmt: skip
         details = job_resume_details(run_dir, records, number)
         details["resumed_s"] = first - started if first is not None else None
+        version = restored[0] if restored else 0
+        redone = {e["version"] for e in ledger
+                  if e.get("job_run") == number - 1 and e["version"] > version}  # fmt: skip
         out.append({"kind": "resume", "attempt": run.get("attempt_base", 0), "job_run": number,
-                    "world_size": num_workers, "step": restored[0] if restored else 0,
-                    "lost_steps": 0, **details})  # fmt: skip
+                    "world_size": num_workers, "step": version, "lost_steps": len(redone),
+                    **details})  # fmt: skip
     return out
 
 
