@@ -35,10 +35,13 @@ def test_a_preempted_parameter_server_job_continues_with_every_sample_once(tmp_p
     out = tmp_path / "run"
     job = [*PS, "--consistency", consistency, "--lr", "0.05", "--epochs", "3", *JOB,
            "--log-sample-ids", "--out", str(out)]  # fmt: skip
-    # Worker 0 is slowed (sleeps, the same math) so that the SIGTERM lands mid-run.
+    # Worker 0 is slowed (sleeps, the same math) so that the SIGTERM lands mid-run. asp's
+    # goes to the launcher's whole process group (as SLURM signals every process of a job
+    # step, and `timeout` its group: the fork server, in that group, once died of it and
+    # every worker with it), bsp's to the launcher alone.
     proc = start(*job, "--inject", "slow:rank=0:factor=4")
     wait_for_step(out, 5, proc)
-    os.kill(proc.pid, signal.SIGTERM)
+    (os.killpg if consistency == "asp" else os.kill)(proc.pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == PREEMPTED_EXIT_CODE, stderr
     assert "preempted by SIGTERM" in stderr and "Traceback" not in stderr

@@ -78,6 +78,7 @@ def _start_with_group_signals_blocked() -> None:
     reaches into multiprocessing's one ForkServer instance (its ``ensure_running``, which
     every fork request calls first)."""
     from multiprocessing import forkserver as mp_forkserver
+    from multiprocessing import resource_tracker
 
     from scaletrain.runtime import GROUP_SIGNALS
 
@@ -87,6 +88,12 @@ def _start_with_group_signals_blocked() -> None:
     start = server.ensure_running
 
     def ensure_running() -> None:
+        # The fork server's start first starts multiprocessing's resource tracker, if none
+        # runs yet, and that start unblocks SIGTERM (and SIGINT) in the calling thread
+        # after spawning it: the fork server then started with SIGTERM unblocked and died
+        # of a SIGTERM to the launcher's group, and every worker with it (a preempted
+        # parameter-server job ended as a failure). So the tracker first, then the mask.
+        resource_tracker.ensure_running()
         old = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
         try:
             start()
