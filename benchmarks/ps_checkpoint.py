@@ -15,9 +15,7 @@ the copy) and each server process's peak memory (summary.json's ``ps``).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -27,20 +25,13 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from floors import Floors  # noqa: E402
-from ps_stragglers import WORKERS, run  # noqa: E402
+from ps_stragglers import WORKERS, parse_setup, run  # noqa: E402
 
 FLOORS = Floors()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device-ms", type=float, default=0.1, help="forward ms per sample")
-    parser.add_argument("--steps", type=int, default=120, help="data-parallel steps of data")
-    parser.add_argument("--every", type=int, default=50, help="--checkpoint-every")
-    parser.add_argument("--factor", type=float, default=3.0, help="how much slower worker 2 is")
-    args = parser.parse_args()
-    os.environ["BENCH_DEVICE_MS"] = str(args.device_ms)
-    slow = f"slow:rank={WORKERS - 1}:factor={args.factor:g}"
+    args, slow = parse_setup(__doc__, steps=120, every=(int, 50, "--checkpoint-every"))
     print(f"{WORKERS} workers, 2 servers; worker {WORKERS - 1} {args.factor:g}x slower; "
           f"{args.device_ms:g} ms of device time per sample forward, 2x backward; "
           f"checkpoints every {args.every} updates\n")  # fmt: skip

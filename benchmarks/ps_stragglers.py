@@ -79,14 +79,22 @@ def run(out: Path, workers: int, consistency: str, inject: str, steps: int,
     return sum(r["samples"] for r in applied) / (end - start)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_setup(doc: str, steps: int, **more: Any) -> tuple[argparse.Namespace, str]:
+    """This setup's flags (and ``more``: name -> (type, default, help)); sets the device's
+    sleep and returns the parsed flags and the slow worker's --inject."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--device-ms", type=float, default=0.1, help="forward ms per sample")
-    parser.add_argument("--steps", type=int, default=60, help="data-parallel steps of data")
+    parser.add_argument("--steps", type=int, default=steps, help="data-parallel steps of data")
     parser.add_argument("--factor", type=float, default=3.0, help="how much slower worker 2 is")
+    for name, (kind, default, text) in more.items():
+        parser.add_argument(f"--{name}", type=kind, default=default, help=text)
     args = parser.parse_args()
     os.environ["BENCH_DEVICE_MS"] = str(args.device_ms)
-    slow = f"slow:rank={WORKERS - 1}:factor={args.factor:g}"
+    return args, f"slow:rank={WORKERS - 1}:factor={args.factor:g}"
+
+
+def main() -> None:
+    args, slow = parse_setup(__doc__, steps=60)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         normal = run(root / "solo-normal", 1, "asp", "", args.steps // WORKERS)
