@@ -253,6 +253,7 @@ class ShardServer:
             with self.cond:
                 if not self.cond.wait_for(lambda: self.stop.is_set() or self.cut_due, 0.5):
                     continue
+                self.cut_due = False  # one that falls due during this cut is the next
             if self.stop.is_set():
                 return
             began = time.monotonic()
@@ -268,8 +269,6 @@ class ShardServer:
             held = time.monotonic() - began
             if not missing:
                 missing = self._await_all(cuts.copied, n, incarnations)[1]
-            with self.cond:
-                self.cut_due = False
             event = {"event": "cut", "server": 0, "cut": n,
                      "version": state["version"] if state else self.version,
                      "paused_s": round(held, 4)}  # fmt: skip
