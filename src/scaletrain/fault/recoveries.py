@@ -230,10 +230,11 @@ def inplace_recoveries(deaths: list[Record], records: list[Record], world: int) 
 def ps_job_resumes(run_dir: Path, records: list[Record], events: list[Record],
                    num_workers: int) -> list[Record]:  # fmt: skip
     """One ``resume`` entry per later run of a parameter-server job (it continues after a
-    preemption, launch/jobs.py): the version server 0 restored, what ended the run before
-    it, and ``resumed_s``, the new run's start to its first step. ``lost_steps``: the
-    updates server 0 applied in the run before after that version (server 0's ledger),
-    trained again (none after a preemption: every server checkpointed its last)."""
+    preemption or a whole-job kill, launch/jobs.py): the version server 0 restored, what
+    ended the run before it, and ``resumed_s``, the new run's start to its first step.
+    ``lost_steps``: the updates server 0 applied in the run before after that version
+    (server 0's ledger), trained again (none after a preemption: every server checkpointed
+    its last)."""
     out: list[Record] = []
     ledger = read_jsonl(run_dir / "logs" / "ps_ledger.jsonl")
     for run in read_jsonl(run_dir / "logs" / "job_runs.jsonl"):

@@ -15,9 +15,9 @@ and fsdp reshards through DCP), how long it trains, what it records and how it c
 Anything else is the math of the training (model, data, optimizer, batch, seed, precision,
 strategy, ...): a change is refused, naming the fields. In place (--recovery inplace) the
 replicas resume from the checkpoints one of them wrote (--checkpoint-every; a job without
-any is refused). A parameter-server job continues after a preemption, from the checkpoints
-its servers wrote once every worker had left; one killed whole is refused (each server's
-newest checkpoint is of its own moment); one preempted before its first step starts again.
+any is refused). A parameter-server job continues after a preemption or a whole-job kill
+from the newest moment every server checkpointed (strategies/param_server/cuts.py; one
+without such checkpoints is refused); one preempted before its first step starts again.
 
 logs/job_runs.jsonl has a line when each job run starts (number, time, attempt base, what
 changed) and one when it ends (finished, preempted, failed). Attempts are numbered across the
