@@ -87,6 +87,7 @@ PROBE_WITH: dict[str, dict[str, Any]] = {
     "nnodes": {"rdzv_endpoint": "127.0.0.1:29400"},
     "activation_checkpointing": {"model": "transformer"},
     "replica_size": {"strategy": "fsdp"},  # where the mode does not fix the strategy
+    "ps_replicas": {"num_servers": 2, "nproc_per_node": 4},  # a backup is another server
 }
 UNPROBED = {"out", "strategy", "recovery", "rdzv_endpoint", "rdzv_id", "local_addr", "bind",
             "join_token_file", "device", "dataset", "data_dir", "task", "model", "schedule",

@@ -48,6 +48,10 @@ def draw(rng: random.Random, *, trainable: bool = False) -> dict[str, Any]:
         d["consistency"] = rng.choice(("bsp", "asp", "ssp"))
         if d["consistency"] == "ssp":
             d["staleness"] = rng.randint(0, 2)
+        if rng.random() < 0.3:
+            d["ps_replicas"] = 1  # refused with one server: the backup is another server
+    elif rng.random() < 0.02:
+        d["ps_replicas"] = 1  # refused: no parameter server to back up
     if strategy in ("local_sgd", "diloco"):
         d["sync_every"] = rng.randint(1, 4)
     if strategy == "pipeline":

@@ -472,6 +472,14 @@ class PsSection:
         default=30.0,
         metadata={"help": "bsp: how long the servers wait for a silent worker before dropping it"},
     )
+    ps_replicas: int = field(
+        default=0,
+        metadata={
+            "help": "ps: backups of each server's slice, on the next server process (0 or 1): "
+            "every update reaches the backup before the worker's push is acknowledged, and a "
+            "restarted server takes its slice from it (needs --num-servers >= 2)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _require(self.num_servers >= 1, "num_servers", f"must be >= 1, got {self.num_servers}")
@@ -483,6 +491,9 @@ class PsSection:
         # -1 is "not given" (TOML has no null); any other negative value is a mistake.
         _require(self.staleness >= -1, "staleness", f"must be >= 0, got {self.staleness}")
         _require(self.barrier_timeout_s > 0, "barrier_timeout_s", "must be > 0")
+        _require(
+            self.ps_replicas in (0, 1), "ps_replicas", f"must be 0 or 1, got {self.ps_replicas}"
+        )
         _require(
             self.staleness_rule in STALENESS_RULES,
             "staleness_rule",
@@ -516,7 +527,7 @@ FREE_FIELDS = frozenset({
     "activation_checkpointing", "compile", "verify", "checkpoint_every", "keep_checkpoints",
     "checkpoint_async", "inject", "hang_timeout_s", "log_sample_ids", "mtbf_s", "bucket_mb",
     "preempt_check_every", "balance", "balance_every",
-    "barrier_timeout_s",
+    "barrier_timeout_s", "ps_replicas",
 })  # fmt: skip
 FREE_SECTIONS = ("launch",)
 

@@ -77,7 +77,11 @@ FLAGS: dict[str, dict[str, Any]] = {
     # Replica groups (HSDP) of 1 rank: fsdp over 2 groups. The mode's own overrides (its
     # strategy) win over this one's (config), so ps and local SGD in place refuse it.
     "replica-size": {"strategy": "fsdp", "replica_size": 1},
+    # A backup of each server's slice on the other server (the ps row runs two: WITH).
+    "ps-replicas": {"ps_replicas": 1},
 }
+# What a cell needs beside its flag in a mode, over the mode's own overrides.
+WITH = {("ps", "ps-replicas"): {"num_servers": 2, "nproc_per_node": 4}}
 # (mode, flag) -> why it is refused; every other cell runs.
 REFUSED = {
     ("inplace", "inject corrupt"): "a checkpoint is read only when the whole job starts again",
@@ -90,6 +94,9 @@ REFUSED = {
     ("ps", "compression"): "the servers take whole gradients",
     ("inplace-rounds", "replica-size"): "replica groups are fsdp's",
     ("ps", "replica-size"): "the servers hold the parameters; replica groups are fsdp's",
+    ("restart", "ps-replicas"): "no parameter server to back up",
+    ("inplace", "ps-replicas"): "no parameter server to back up",
+    ("inplace-rounds", "ps-replicas"): "no parameter server to back up",
 }
 # Cells that run together (one run per group and mode, with every flag of the group that
 # the mode accepts; a later flag's value wins). Faults get runs of their own (the damaged
@@ -106,6 +113,7 @@ GROUPS = {
     "compile": ["compile"],
     "blocks": ["activation-checkpointing"],
     "hsdp": ["replica-size"],
+    "replicas": ["ps-replicas"],
 }
 # fmt: on
 GROUP_OF = {flag: group for group, flags in GROUPS.items() for flag in flags}
@@ -116,6 +124,8 @@ def config(mode: str, flags: list[str]) -> RunConfig:
     for flag in flags:
         overrides |= FLAGS[flag]
     overrides |= MODES[mode][0]
+    for flag in flags:
+        overrides |= WITH.get((mode, flag), {})
     cfg = with_overrides(RunConfig(), overrides)
     assert mode_of(cfg) == mode.partition("-")[0]
     return cfg
@@ -250,6 +260,16 @@ def in_replica_groups(run: Run, mode: str) -> None:
     assert run.summary["hsdp"] == {"replica_size": 1, "replica_groups": 2}, run.summary
 
 
+def replicated(run: Run, mode: str) -> None:
+    """Every reply was preceded by a forward to the slice's backup (more forwards than
+    updates: hellos and leaves are forwarded too), and both servers applied every step."""
+    ps = run.summary["ps"]
+    assert ps["replicas"] == 1 and len(ps["replication"]) == 2, ps
+    for forwarded, updates in zip(ps["replication"], ps["server_updates"], strict=True):
+        assert forwarded["forwards"] >= updates > 0, ps
+    assert ps["server_updates"][0] == ps["server_updates"][1] == run.summary["steps"], ps
+
+
 # What each cell's flag must have done, read off its run.
 EFFECTS: dict[str, Callable[[Run, str], None]] = {
     "checkpoint-every": checkpointed,
@@ -271,6 +291,7 @@ EFFECTS: dict[str, Callable[[Run, str], None]] = {
     "balance": rebalanced,
     "compression": compressed,
     "replica-size": in_replica_groups,
+    "ps-replicas": replicated,
 }
 
 

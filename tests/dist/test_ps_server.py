@@ -414,3 +414,29 @@ def test_a_cut_copies_the_pushes_it_holds_and_holds_back_the_next_ones(tmp_path)
     assert copy["cut"] == [0, 1] and copy["clocks"] == {0: 2, 1: 1} and copy["version"] == 3
     wait_for(server, lambda s: s.version == 4 and s.clocks == {0: 2, 1: 2})
     store.set("ps/finish", "1")
+
+
+def test_a_push_sent_again_after_a_server_death_is_applied_once(tmp_path):
+    """--ps-replicas: a worker whose server died with its push unanswered sends it again to
+    the restarted one, which may hold it already (its backup had it). The server knows a
+    push by the worker's process attempt and clock: the same push twice is applied once
+    (acknowledged both times, as applied), a later one is applied."""
+    store, server = start_server(tmp_path, "asp")
+    a = Worker(store.port, 0)
+    a.hello()
+    head, params, _ = a.push(1, [1.0, 2.0], BATCH)
+    assert int(head[tp.VERSION]) == 1 and params.tolist() == [0.0, -1.0]
+    a.clock -= 1  # the same push (same attempt, same clock) again
+    head, params, _ = a.push(1, [1.0, 2.0], BATCH)
+    assert int(head[tp.VERSION]) == 1 and params.tolist() == [0.0, -1.0]
+    assert int(head[tp.COMMITTED]) == 1
+    head, params, _ = a.push(2, [1.0, 1.0], BATCH)  # the next one is new (1 update stale)
+    assert int(head[tp.VERSION]) == 2 and params.tolist() == [-0.5, -1.5]
+    # A restarted worker process counts its pushes anew: its clock 1 is a new push.
+    b = Worker(store.port, 0, attempt=1, clock=0)
+    b.hello()
+    head, params, _ = b.push(3, [1.0, 1.0], BATCH)
+    assert int(head[tp.VERSION]) == 3
+    with server.cond:
+        assert server.applied == 3
+    store.set("ps/finish", "1")

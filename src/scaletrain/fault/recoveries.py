@@ -298,6 +298,8 @@ def ps_recoveries(
                         and e["attempt"] == death["attempt"] + 1]  # fmt: skip
             entry["server"] = server
             entry["restored_version"] = restored[0]["version"] if restored else None
+            # --ps-replicas: from the backup's copy (nothing lost), else its checkpoint.
+            entry["restored_from"] = restored[0].get("from", "checkpoint") if restored else None
             entry["resumed_s"] = restored[0]["unix_time"] - died if restored else None
             entry["detected_s"] = 0.0  # a link breaks the moment its process dies
             # Its slice's next applied update: from the kill to training again.

@@ -415,6 +415,12 @@ def finish_summary(fleet: PSFleet) -> dict[str, Any]:
                 # buffers, and the torch it imported).
                 "server_peak_rss_bytes": [f.get("peak_rss_bytes") for f in finals],
                 "cuts": cut_summary(run_dir, cfg),
+                # --ps-replicas: each server's forwards to the backup of its slice (their
+                # count and seconds, spent inside the workers' round trips) and the copies
+                # it gave a restarted primary (strategies/param_server/replica.py).
+                "replicas": cfg.ps.ps_replicas,
+                "replication": [f.get("replication") for f in finals]
+                if cfg.ps.ps_replicas else None,
                 "transport": "gloo point-to-point, one two-rank group per worker-server link",
             },
             "staleness_histogram": staleness_histogram(r["staleness"] for r in records),

@@ -196,8 +196,9 @@ def describe_ps_recovery(r: dict[str, Any], what: str) -> str:
         line = f"server {r['server']} ({what})"
         if r.get("resumed_s") is None:
             return line + "; not restarted"
+        source = "its backup's copy" if r.get("restored_from") == "backup" else "its checkpoint"
         return line + (
-            f" restarted and serving {r['resumed_s']:.1f} s later from its checkpoint of "
+            f" restarted and serving {r['resumed_s']:.1f} s later from {source} of "
             f"version {r['restored_version']}; the workers reconnected"
         )
     line = f"worker {what}: its {r.get('requeued_samples', 0)} leased samples were dealt again"

@@ -98,6 +98,14 @@ class StrategyChecks:
                 f"tp: tensor parallelism runs under --strategy tensor or fsdp, not "
                 f"{cfg.train.strategy!r}"
             )
+        if cfg.ps.ps_replicas and cfg.train.strategy != "ps":
+            how = f"--strategy {cfg.train.strategy}"
+            if cfg.fault.recovery == "inplace":
+                how += " --recovery inplace"
+            raise ValueError(
+                f"ps_replicas: backups of a parameter server's slices; {how} has no "
+                "parameter server (--strategy ps has)"
+            )
 
     @classmethod
     def checks_model(cls, cfg: RunConfig) -> bool:

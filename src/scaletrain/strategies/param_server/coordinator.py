@@ -229,3 +229,36 @@ class DataCoordinator:
         self.leases = {}
         self.steps_dealt = state["steps_dealt"]
         self.samples_trained = state["samples_trained"]
+
+    # -- replication (replica.py) --------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The whole state, leases out included as they are (a checkpoint saves them as
+        requeued): what a backup needs for its server 0 to go on where this one stopped,
+        the workers holding those leases still training on them. JSON-able."""
+        return {
+            "epochs": {
+                str(e): [s.cursor, list(s.requeued), s.outstanding]
+                for e, s in self.epoch_state.items()
+            },
+            "leases": {
+                str(w): [lease.epoch, lease.step, list(lease.positions)]
+                for w, lease in self.leases.items()
+            },
+            "steps_dealt": self.steps_dealt,
+            "samples_trained": self.samples_trained,
+        }
+
+    def load_snapshot(self, snap: dict[str, Any]) -> None:
+        self.epoch_state = {
+            int(e): _Epoch(cursor=c, requeued=list(r), outstanding=o)
+            for e, (c, r, o) in snap["epochs"].items()
+        }
+        self.leases = {int(w): self.lease_of(*held) for w, held in snap["leases"].items()}
+        self.steps_dealt = snap["steps_dealt"]
+        self.samples_trained = snap["samples_trained"]
+
+    def lease_of(self, epoch: int, step: int, positions: list[int]) -> Lease:
+        """The lease of those positions of ``epoch``'s order (as a snapshot names it)."""
+        order = self.order(epoch)
+        return Lease(epoch=epoch, step=step, positions=tuple(positions),
+                     indices=tuple(int(order[p]) for p in positions))  # fmt: skip

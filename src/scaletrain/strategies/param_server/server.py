@@ -53,11 +53,11 @@ from scaletrain.config import RunConfig
 from scaletrain.fault.checkpoint import load_latest, read_index, save_checkpoint
 from scaletrain.fault.inject import parse_inject
 from scaletrain.fault.watchdog import SelfWatchdog
-from scaletrain.io import JsonlWriter, append_jsonl, atomic_torch_save
+from scaletrain.io import JsonlWriter, append_jsonl, atomic_torch_save, read_jsonl
 from scaletrain.metrics.summary import peak_rss_bytes
 from scaletrain.schedule import lr_factor, scale_lr
 from scaletrain.strategies.param_server import consistency as rules
-from scaletrain.strategies.param_server import cuts
+from scaletrain.strategies.param_server import cuts, replica
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.admission import Admission
 from scaletrain.strategies.param_server.coordinator import DataCoordinator, Lease
@@ -173,7 +173,31 @@ class ShardServer:
         self.stop = threading.Event()
         self.save_lock = threading.Lock()
         self.checkpoint_dir = run_dir / "checkpoints" / f"server{index}"
+        # bsp under --deterministic: the step's pushes, summed in worker order at its release
+        # (in arrival order, two runs of one command differed in the last bits).
+        self.barrier_grads: dict[int, tuple[torch.Tensor, int]] = {}
+        # Each worker's last push applied (replica.Applied): a push sent again to a restarted
+        # server is applied once. Server 0 restored from a backup: each worker's lease, as its
+        # last reply carried it, kept for the process that holds it (``_kept_lease``).
+        self.applied_clock: dict[int, tuple[int, int]] = {}
+        self.applied_step: dict[int, tuple[int, int]] = {}
+        self.kept: dict[int, tuple[int, Lease | None]] = {}
+        self.unlogged: list[dict[str, Any]] = []  # server 0: ledger lines not forwarded yet
+        self.primary: replica.Primary | None = None
+        self.backup: replica.Backup | None = None
+        if cfg.ps.ps_replicas:
+            common = {"index": index, "num_servers": cfg.ps.num_servers,
+                      "num_workers": num_workers, "attempt": attempt, "store": store,
+                      "new_store": new_store, "timeout_s": cfg.launch.timeout_s,
+                      "stop": self.stop}  # fmt: skip
+            self.backup = replica.Backup(**common, param=self.param,
+                                         build_optimizer=build_optimizer)  # fmt: skip
+            self.backup.start()
+            self.primary = replica.Primary(**common, lock=self.cond,
+                                           full_state=self._replica_state)  # fmt: skip
         self._restore()
+        if self.primary is not None:
+            self.primary.start()
 
     # -- checkpoints ---------------------------------------------------------------------
     def _restore(self) -> None:
@@ -182,6 +206,11 @@ class ShardServer:
         first start of a later job run, the one of the newest moment every server
         checkpointed (cuts.consistent_checkpoint): after a whole-job kill a server's newest
         may be of updates the others never saved."""
+        if self.primary is not None and self.attempt > 0:
+            taken = self.primary.take_state()
+            if taken is not None:
+                self._restore_replica(taken)
+                return
         below = None
         if self.attempt == 0 and self.job_run:
             num_servers = self.cfg.ps.num_servers
@@ -211,6 +240,111 @@ class ShardServer:
             {"event": "restored", "server": self.index, "version": self.version,
              "attempt": self.attempt},
         )  # fmt: skip
+
+    # -- replicas (replica.py) -------------------------------------------------------------
+    def _book(self) -> replica.Applied:
+        """Lock held: what this slice's copies agree on besides the numbers."""
+        book = replica.Applied(
+            version=self.version, released_step=self.released_step, applied=self.applied,
+            clocks=dict(self.applied_clock), steps=dict(self.applied_step),
+        )  # fmt: skip
+        if self.coordinator is not None:
+            book.coordinator = self.coordinator.snapshot()
+            book.leases = {w: None if lease is None else
+                           [lease.epoch, lease.step, list(lease.positions)]
+                           for w, lease in self.leases.items()}  # fmt: skip
+            book.sessions = {w: self.sessions[w] for w in self.leases if w in self.sessions}
+            book.ledger = list(self.unlogged)
+        return book
+
+    def _replica_state(self) -> dict[str, Any]:
+        """Lock held: the whole slice, for a backup to copy."""
+        return {"param": self.param.detach().clone(),
+                "optimizer": _clone(self.optimizer.state_dict()),
+                "book": self._book().encode()}  # fmt: skip
+
+    def _replicate(self) -> None:
+        """Lock held, before any reply: the backup holds every update the reply tells of."""
+        if self.primary is not None:
+            book = self._book()
+            self.primary.forward(book)
+            if self.ledger is not None:
+                for line in book.ledger:
+                    self.ledger.write(line)
+            self.unlogged = []
+
+    def _restore_replica(self, state: dict[str, Any]) -> None:
+        """A restarted server: go on from its backup's copy, every acknowledged push in it."""
+        book = replica.Applied.decode(state["book"])
+        self.param.data.copy_(state["param"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.released_step = book.version, book.released_step
+        self.applied = book.applied
+        self.applied_clock, self.applied_step = book.clocks, book.steps
+        self.checkpointed = self.version
+        if self.coordinator is not None and book.coordinator is not None:
+            self.coordinator.load_snapshot(book.coordinator)
+            for worker, held in book.leases.items():
+                lease = None if held is None else self.coordinator.lease_of(*held)
+                self.kept[worker] = (book.sessions.get(worker, -1), lease)
+            self.started = bool(self.kept)
+            self._log_forwarded(book.ledger)
+            threading.Thread(target=self._watch_kept, daemon=True).start()
+        log.info("server %d took version %d from its backup", self.index, self.version)
+        append_event(self.run_dir, {"event": "restored", "server": self.index,
+                                    "version": self.version, "attempt": self.attempt,
+                                    "from": "backup"})  # fmt: skip
+
+    def _log_forwarded(self, lines: list[dict[str, Any]]) -> None:
+        """Server 0 restored from a backup: the ledger lines of the last forward, which its
+        primary died before writing (or not: written once)."""
+        path = self.run_dir / "logs" / LEDGER
+        written = read_jsonl(path)[-len(lines) :] if lines and path.exists() else []
+        keys = {(r["worker"], r["epoch"], r["step"], r["version"]) for r in written}
+        for line in lines:
+            if (line["worker"], line["epoch"], line["step"], line["version"]) not in keys:
+                assert self.ledger is not None
+                self.ledger.write(line)
+
+    def _kept_lease(self, worker: int, attempt: int) -> tuple[bool, Lease | None]:
+        """Lock held, server 0 restored from a backup, at a worker's hello: the lease its
+        process holds (True, the lease), which it goes on with; a lease held by an earlier
+        process of the worker is dealt again (False)."""
+        if worker not in self.kept:
+            return False, None
+        holder, lease = self.kept.pop(worker)
+        if holder == attempt:
+            return True, lease
+        self.coordinator.requeue(worker)  # type: ignore[union-attr]
+        return False, None
+
+    def _foreign_lease(self, worker: int, step: int) -> bool:
+        """Server 0, --ps-replicas, lock held: a push sent again for a lease the worker no
+        longer holds here (this server restarted from its checkpoint, its backup's copy lost
+        too): not applied, its samples are dealt again; the reply drops the worker, which
+        joins again."""
+        if self.primary is None or self.coordinator is None:
+            return False
+        lease = self.leases.get(worker)
+        return lease is not None and lease.step != step
+
+    def _watch_kept(self) -> None:
+        """Server 0 restored from a backup: a kept lease whose process died before it joined
+        again is dealt again (its successor joins as a new process)."""
+        while not self.stop.wait(tp.WATCH_S):
+            with self.cond:
+                if not self.kept:
+                    return
+                for worker, (holder, _) in list(self.kept.items()):
+                    if self.store.check([tp.death_key(worker, holder)]):
+                        del self.kept[worker]
+                        if self.coordinator is not None and self.coordinator.requeue(worker):
+                            if self.mode == "bsp":
+                                self._maybe_release()
+                                self._maybe_start()
+                            else:
+                                self._deal(-1)
+                self.cond.notify_all()
 
     def _maybe_checkpoint(self) -> None:
         """Called with the lock held, after an update and its commit. bsp: every server
@@ -426,9 +560,18 @@ class ShardServer:
                 "applied": self.applied,
                 "samples_trained": self.coordinator.samples_trained if self.coordinator else 0,
                 "peak_rss_bytes": peak_rss_bytes(),
+                "replication": None
+                if self.primary is None or self.backup is None
+                else {
+                    "forwards": self.primary.forwards,
+                    "forward_s": round(self.primary.forward_s, 4),
+                    "copies_given": self.backup.gave,
+                },
             }
         atomic_torch_save(self.run_dir / "checkpoints" / f"final-server{self.index}.pt", final)
         if self.ledger is not None:
+            for line in self.unlogged:  # committed with no reply after (none is expected)
+                self.ledger.write(line)
             self.ledger.close()
 
     def _checkpoint_preempted(self) -> None:
@@ -523,8 +666,12 @@ class ShardServer:
             self.live.add(worker)
             self.sessions[worker] = int(head[tp.ATTEMPT])
             self.hellos.add(worker)
+            keep, kept = self._kept_lease(worker, int(head[tp.ATTEMPT]))
             if self.coordinator is None:
                 self.join_step[worker] = int(head[tp.STEP])
+            elif keep:  # restored from a backup: the worker goes on with the lease it holds
+                self.leases[worker] = kept
+                self.join_step[worker] = kept.step if kept else 0
             else:
                 if self.mode == "bsp":
                     self.join_step[worker] = 1 << 62  # until dealt into a step
@@ -552,6 +699,7 @@ class ShardServer:
             if worker not in self.live or self.sessions.get(worker) != attempt:
                 return
             requeued = self._drop(worker)
+            self._replicate()  # the backup's plan must not keep the lease out
             if died:
                 append_event(self.run_dir, {"event": "worker_lost", "server": self.index,
                                             "worker": worker, "how": how,
@@ -578,10 +726,14 @@ class ShardServer:
             if lease is None or not self.coordinator.commit(worker):
                 continue
             total += len(lease.indices)
-            self.ledger.write({"worker": worker, "epoch": lease.epoch, "step": lease.step,
-                               "sample_ids": list(lease.indices), "version": self.version,
-                               "server_attempt": self.attempt,
-                               "job_run": int(os.environ.get(env.JOB_RUN, 0))})  # fmt: skip
+            line = {"worker": worker, "epoch": lease.epoch, "step": lease.step,
+                    "sample_ids": list(lease.indices), "version": self.version,
+                    "server_attempt": self.attempt,
+                    "job_run": int(os.environ.get(env.JOB_RUN, 0))}  # fmt: skip
+            if self.primary is None:
+                self.ledger.write(line)
+            else:  # once the backup holds the update (_replicate): else it may be lost
+                self.unlogged.append(line)
         return total
 
     def _drop(self, worker: int) -> int:
@@ -662,15 +814,25 @@ class ShardServer:
             stale = rules.staleness(self.version, int(head[tp.VERSION_ON]))
             if self.mode == "bsp":
                 return self._bsp_push(worker, step, samples, grad, started)
-            applied_factor = self._apply(grad, staleness=stale)
-            self.clocks[worker] = int(head[tp.CLOCK])  # the worker's count, as every server's
+            push = (int(head[tp.ATTEMPT]), int(head[tp.CLOCK]))
+            seen = self.applied_clock.get(worker)
+            self.clocks[worker] = push[1]  # the worker's count, as every server's
             self.clock_moved[worker] = time.monotonic()
-            committed = self._commit([worker]) > 0
-            # After the commit: a checkpoint of this update holds its lease as trained
-            # (before it, the lease was saved as out, and a restore trained it again).
-            self._maybe_checkpoint()
-            if self.coordinator is not None:
-                self.leases.pop(worker, None)
+            if seen is not None and seen[0] == push[0] and seen[1] >= push[1]:
+                # Sent again after a server died with it unanswered, and already applied
+                # (before the death, on both copies of the slice): not applied twice.
+                applied_factor, committed, stale = 1.0, True, 0
+            elif self._foreign_lease(worker, step):
+                return self._dropped_reply()
+            else:
+                applied_factor = self._apply(grad, staleness=stale)
+                self.applied_clock[worker] = push
+                committed = self._commit([worker]) > 0
+                # After the commit: a checkpoint of this update holds its lease as trained
+                # (before it, the lease was saved as out, and a restore trained it again).
+                self._maybe_checkpoint()
+                if self.coordinator is not None:
+                    self.leases.pop(worker, None)
             self.cond.notify_all()
             if self.bound is not None:  # ssp: hold the reply while too far ahead
                 self.cond.wait_for(
@@ -719,6 +881,8 @@ class ShardServer:
         self.param.grad = None
         self.version += 1
         self.applied += 1
+        if self.primary is not None:
+            self.primary.applied(grad, factor)
         return factor
 
     def _bsp_push(self, worker: int, step: int, samples: int, grad: torch.Tensor,
@@ -726,12 +890,22 @@ class ShardServer:
         # A joiner's first step may come while this server still waits for the step before.
         self.cond.wait_for(lambda: not self.arrived or self.barrier_step >= step
                            or worker not in self.live)  # fmt: skip
+        if self.applied_step.get(worker) == (self.sessions.get(worker), step):
+            # Sent again after a server died with it unanswered, and already applied
+            # (released before the death, on both copies of the slice): not applied twice.
+            return self._reply(worker, started, staleness=0, committed=True,
+                               lr_factor=self.released_lr_factor)  # fmt: skip
+        if self._foreign_lease(worker, step):
+            return self._dropped_reply()
         if worker in self.live and not self.arrived:
             self.barrier_step, self.barrier_opened = step, time.monotonic()
         if worker not in self.live or step != self.barrier_step:  # released without it
             self._drop(worker)
             return self._dropped_reply()
-        self.barrier_sum.add_(grad, alpha=samples)
+        if self.cfg.train.deterministic:
+            self.barrier_grads[worker] = (grad.clone(), samples)
+        else:
+            self.barrier_sum.add_(grad, alpha=samples)
         self.barrier_samples += samples
         self.arrived.add(worker)
         self._maybe_release()
@@ -778,8 +952,14 @@ class ShardServer:
             self._drop(worker)
             append_event(self.run_dir, {"event": "worker_lost", "server": self.index,
                                         "worker": worker, "how": "barrier timeout"})  # fmt: skip
+        for worker in sorted(self.barrier_grads):  # --deterministic: in worker order
+            grad, samples = self.barrier_grads[worker]
+            self.barrier_sum.add_(grad, alpha=samples)
+        self.barrier_grads = {}
         if self.barrier_samples:
             self.released_lr_factor = self._apply(self.barrier_sum / self.barrier_samples)
+        for worker in self.arrived:
+            self.applied_step[worker] = (self.sessions.get(worker, -1), self.barrier_step)
         self._commit(sorted(self.arrived))
         self.released_step = self.barrier_step
         self._maybe_checkpoint()  # of the step as applied: its leases committed (as asp's)
@@ -839,7 +1019,9 @@ class ShardServer:
 
     def _reply(self, worker: int, started: float, *, staleness: int, committed: bool,
                lr_factor: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
-        """Lock held: the reply to ``worker``; server 0's carries its next lease."""
+        """Lock held: the reply to ``worker``; server 0's carries its next lease. The backup
+        holds what it tells of first (--ps-replicas)."""
+        self._replicate()
         lease = self.leases.get(worker) if self.coordinator is not None else None
         end = self.coordinator is not None and lease is None
         head = tp.reply_header(

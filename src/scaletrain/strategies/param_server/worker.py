@@ -95,6 +95,11 @@ class PSWorkerStrategy(Strategy):
                 "that do not exchange norms; use --num-servers 1 to clip it, or asp/ssp, "
                 "which clip each push"
             )
+        if cfg.ps.ps_replicas and k < 2:
+            raise ValueError(
+                "ps_replicas: under --strategy ps a slice's backup lives on another server "
+                "process; --num-servers 1 has none (give --num-servers 2 or more)"
+            )
         if k >= world_size:
             raise ValueError(
                 f"num_servers: {k} servers leave no worker in a world of {world_size} processes; "
@@ -368,8 +373,9 @@ class PSWorkerStrategy(Strategy):
                          clock=self.clock or 0)  # fmt: skip
         pending: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
         lost: list[int] = []
+        sent: dict[int, torch.Tensor] = {}
         for k, (lo, hi) in enumerate(self.ranges):
-            h = head.clone()
+            h = sent[k] = head.clone()
             h[tp.VERSION_ON] = self.versions[k]
             bufs = self._buffers(k)
             try:
@@ -390,11 +396,35 @@ class PSWorkerStrategy(Strategy):
             heads[k] = self._accept_reply(k, bufs)
         for k in lost:
             self._drop_link(k)
+        if self.cfg.ps.ps_replicas:  # its restarted server has every push but this one
+            for k in lost:
+                heads[k] = self._push_again(k, step, sent[k], grad)
+            return heads, []
         if 0 in lost:  # server 0 lost the push with the lease: it deals a new one on rejoin
             self.lease = None
             self._hello(0, 0)
             lost.remove(0)
         return heads, lost
+
+    def _push_again(
+        self, k: int, step: int, head: torch.Tensor, grad: torch.Tensor
+    ) -> torch.Tensor:
+        """--ps-replicas: server ``k`` died with this push unanswered. Its restarted process
+        holds every push acknowledged before (from the backup); send this one again: it is
+        applied once (the server knows whether it was, from the push's attempt and clock or
+        step). Server 0 replies with the lease this worker goes on with."""
+        lo, hi = self.ranges[k]
+        while True:
+            self._hello(k, step)
+            bufs = self._buffers(k)
+            try:
+                self.links[k].send(head, grad[lo:hi])
+                self.links[k].recv(*bufs)
+            except RuntimeError as e:
+                log.warning("server %d lost again: %s", k, str(e).splitlines()[0][:160])
+                self._drop_link(k)
+                continue
+            return self._accept_reply(k, bufs)
 
 
 class LeasePlan(BatchPlan):

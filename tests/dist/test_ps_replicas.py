@@ -1,0 +1,85 @@
+"""Replicated slices (--ps-replicas 1): every server's slice has a backup on the other
+server, which holds every update before a worker hears of it; a server SIGKILLed (or hung)
+mid-run is restarted and takes its slice from the backup, and the push it died with is sent
+again and applied once. Nothing acknowledged is lost: bsp ends bit for bit where the same
+run without the kills ends; asp counts every push once on every slice. Real launchers, real
+SIGKILLs, gloo on loopback (strategies/param_server/replica.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.io import read_jsonl
+from tests.conftest import assert_no_orphans, run_cli, stress_only
+from tests.dist.test_param_server import DIGITS, JOB, PS, assert_exactly_once, assert_ledger_once
+from tests.dist.test_param_server import load as load_run
+
+REPLICATED = [*PS, "--ps-replicas", "1", "--max-restarts", "3"]
+# Ranks 3 and 4 are servers 0 and 1; each is the backup of the other's slice. Server 0 dies
+# at its 5th update, server 1 (the backup that just gave server 0 its slice) at its 14th,
+# and server 0's replacement at its 24th: a primary, a backup, a primary's replacement.
+KILLS = "kill:rank=3:step=5,kill:rank=4:step=14,kill:rank=3:step=24"
+
+
+def server_restores(summary):
+    return [(r["server"], r["restored_from"]) for r in summary["recoveries"]
+            if r["kind"] == "ps-server"]  # fmt: skip
+
+
+def test_bsp_through_kills_of_primaries_and_backups_ends_bitwise_as_without_them(tmp_path):
+    """--deterministic: the servers sum a step's pushes in worker order, so the run without
+    kills is the reference to the last bit; the run with three kills must end there."""
+    job = [*REPLICATED, "--consistency", "bsp", "--epochs", "2", "--deterministic",
+           "--lr", "0.05", *JOB]  # fmt: skip
+    runs = {}
+    for name, extra in [("steady", []), ("killed", ["--inject", KILLS])]:
+        out = tmp_path / name
+        result = run_cli("run", *job, *extra, "--log-sample-ids", "--out", str(out))
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = load_run(out)
+        assert_no_orphans(out)
+    (steady, _), (killed, records) = runs["steady"], runs["killed"]
+    assert server_restores(killed) == [(0, "backup"), (1, "backup"), (0, "backup")], killed
+    assert killed["params_sha256"] == steady["params_sha256"]
+    assert killed["ps"]["server_updates"] == steady["ps"]["server_updates"] == [
+        steady["steps"]] * 2  # fmt: skip
+    assert_exactly_once(records, 2)
+    assert_ledger_once(tmp_path / "killed", 2)
+    # The restarted server applied its next update within seconds, not --timeout-s.
+    assert all(r["next_update_s"] < 10 for r in killed["recoveries"]), killed["recoveries"]
+
+
+@pytest.mark.parametrize("consistency", ["asp", pytest.param("ssp", marks=stress_only)])
+def test_every_acknowledged_push_is_applied_once_through_server_deaths(tmp_path, consistency):
+    """asp (ssp in every stress round): each worker's record is a push every server
+    acknowledged; each slice applied exactly those, through three kills and a hung server
+    (its watchdog ends it after --hang-timeout-s; restarted, it takes its slice from the
+    backup as after a kill), and server 0's ledger has every sample once per epoch."""
+    out = tmp_path / "run"
+    mode = ["--consistency", consistency] + (["--staleness", "1"] if consistency == "ssp" else [])
+    faults = f"{KILLS.replace('step=24', 'step=50')},hang:rank=4:step=70"
+    result = run_cli("run", *REPLICATED, *mode, "--epochs", "2", "--lr", "0.02", *JOB,
+                     "--hang-timeout-s", "3", "--log-sample-ids", "--inject", faults,
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary, records = load_run(out)
+    assert server_restores(summary) == [(0, "backup"), (1, "backup"), (0, "backup"),
+                                        (1, "backup")], summary["recoveries"]  # fmt: skip
+    acknowledged = len(records)
+    assert all(r["committed"] for r in records)
+    assert summary["ps"]["server_updates"] == [acknowledged, acknowledged], summary["ps"]
+    assert acknowledged == -(-DIGITS // 32) * 2  # every lease of both epochs, once
+    assert_exactly_once(records, 2)
+    assert_ledger_once(out, 2)
+    restored = [e for e in read_jsonl(out / "logs" / "ps_events.jsonl") if e["event"] == "restored"]
+    assert all(e["from"] == "backup" for e in restored), restored
+    assert_no_orphans(out)
+
+
+def test_a_backup_is_refused_where_there_is_no_other_server(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("run", "--strategy", "ps", "--nproc-per-node", "3", "--ps-replicas", "1",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "error:" in result.stderr and "--num-servers 2 or more" in result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
