@@ -77,6 +77,7 @@ bench: install
 	$(BIN)/python benchmarks/costmodel.py
 	$(BIN)/python benchmarks/ps_stragglers.py
 	$(BIN)/python benchmarks/ps_checkpoint.py
+	$(BIN)/python benchmarks/ps_replicas.py
 	$(BIN)/python benchmarks/ps_transport.py
 	$(BIN)/python benchmarks/activation_memory.py
 	$(BIN)/python benchmarks/compile_speed.py

@@ -53,7 +53,7 @@ def build_task(cfg: RunConfig) -> Task:
 
 
 def run(out: Path, workers: int, consistency: str, inject: str, steps: int,
-        checkpoint_every: int = 0) -> float:  # fmt: skip
+        checkpoint_every: int = 0, replicas: int = 0) -> float:  # fmt: skip
     """Applied samples per second over the training window of one run."""
     overrides: dict[str, Any] = {
         "out": str(out),
@@ -68,6 +68,7 @@ def run(out: Path, workers: int, consistency: str, inject: str, steps: int,
         "inject": inject,
         "lr": 0.01,
         "checkpoint_every": checkpoint_every,
+        "ps_replicas": replicas,
     }
     if consistency.startswith("ssp"):
         overrides["staleness"] = int(consistency[4:-1])
