@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument(
         "--methods",
         default="ddp,local_sgd:8,ps:4,compressed:100:10",
-        help="ddp, local_sgd:H, ps:K (dedicated servers), ps-colocated[:K], fsdp, hsdp:S (shard "
+        help="ddp, local_sgd:H, ps:K[:R] (dedicated servers; R=1: a backup of each slice), "
+        "ps-colocated[:K], fsdp, hsdp:S (shard "
         "groups of S), tp:T:ACTIVATION_MB (tensor parallel of T within a node), "
         "compressed:RATIO[:ENCODE_MS], pipeline:P:M",
     )

@@ -57,6 +57,12 @@ def test_compression_local_sgd_ps_and_pipeline_by_hand():
     # 8 workers, 2 servers: the busiest server link carries 2 * 8 * 100 MB / 2 = 800 MB.
     assert predict_method(c, "ps:2", 8).comm_s == pytest.approx(2e-4 + 0.8)
     assert predict_method(c, "ps:16", 8).comm_s == pytest.approx(2e-4 + 0.2)  # worker link
+    # A backup of each slice: the server forwards its 50 MB slice and waits for the ack.
+    backed = predict_method(c, "ps:2:1", 8)
+    assert backed.comm_s == pytest.approx(2e-4 + 0.8 + 1e-4 + 0.05)
+    assert backed.method == "ps K=2 R=1"
+    with pytest.raises(ValueError, match="ps:K\\[:R\\]"):
+        predict_method(c, "ps:1:1", 8)  # a backup needs another server
     pipe = predict_method(c, "pipeline:4:12", 99)  # one pipeline of 4; workers ignored
     assert pipe.workers == 4
     assert pipe.step_s == pytest.approx(0.1 / 4 * 15 / 12 + 2 * 14 * 1e-4)

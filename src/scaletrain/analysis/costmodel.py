@@ -19,7 +19,10 @@ Formulas and what they assume:
 - **ps** with K server shards: every worker pushes and pulls G per step; its own link carries
   2G, and the busiest server link ``2 W G / K``: ``comm = 2 lat + max(2G, 2WG/K) / bw``.
   Synchronous (bsp) timing; asynchronous modes hide it behind compute only when servers keep
-  up (not modelled).
+  up (not modelled). **ps:K:1** (a backup of every slice, --ps-replicas 1): a server forwards
+  the step's aggregated slice G/K to its backup and waits for the ack before it replies, in
+  series: ``+ lat + G/K / bw`` (under asp every push is forwarded: the server links then
+  carry twice the bytes).
 - **ps co-located[:K]** (BytePS's co-located case: servers on K of the k nodes, one on each
   by default, each holding 1/K of the parameters): within a node as the hierarchical
   all-reduce, then each node pushes its shares and pulls them back, a server's node taking in
@@ -371,11 +374,13 @@ def predict_local_sgd(cal: Calibration, workers: int, sync_every: int) -> Predic
     return _prediction(f"local_sgd H={sync_every}", workers, cal, compute, comm, step)
 
 
-def predict_ps(cal: Calibration, workers: int, servers: int) -> Prediction:
+def predict_ps(cal: Calibration, workers: int, servers: int, replicas: int = 0) -> Prediction:
     compute = compute_s(cal, workers)
     g = cal.grad_bytes
     worker_link = 2 * g / worker_link_Bps(cal)
     comm = 2 * cal.latency_s + max(worker_link, 2 * workers * g / servers / cal.bandwidth_Bps)
+    # The backup's round trip, between the step's last push and the replies.
+    comm += replicas * (cal.latency_s + g / servers / cal.bandwidth_Bps)
     step = compute + comm
     if host_bound(cal) and cal.ps_host:  # bsp rounds on the shared cores
         step = bsp_round(cal, workers, servers, comm)
@@ -383,7 +388,8 @@ def predict_ps(cal: Calibration, workers: int, servers: int) -> Prediction:
         processes = workers + servers
         push = collective_cpu(cal, processes) / 2
         step = free_step(cal, workers, host_cpu(cal, processes) + 2 * push, cal.compute_s + comm)
-    return _prediction(f"ps K={servers}", workers, cal, compute, comm, step)
+    name = f"ps K={servers}" + (f" R={replicas}" if replicas else "")
+    return _prediction(name, workers, cal, compute, comm, step)
 
 
 def bsp_round(cal: Calibration, workers: int, servers: int, comm: float) -> float:
@@ -583,6 +589,8 @@ def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
             return predict_local_sgd(cal, workers, int(numbers[0]))
         if name == "ps" and len(numbers) == 1:
             return predict_ps(cal, workers, int(numbers[0]))
+        if name == "ps" and len(numbers) == 2 and numbers[1] in (0, 1) and numbers[0] >= 2:
+            return predict_ps(cal, workers, int(numbers[0]), int(numbers[1]))
         if name == "compressed" and len(numbers) in (1, 2):
             encode = numbers[1] / 1e3 if len(numbers) == 2 else 0.0
             return replace(predict_ddp(cal, workers, ratio=numbers[0], encode_s=encode,
@@ -604,7 +612,7 @@ def predict_method(cal: Calibration, method: str, workers: int) -> Prediction:
         if str(e).startswith("predict:"):
             raise
     raise ValueError(
-        f"predict: cannot read method {method!r}; use ddp, ddp:tree, local_sgd:H, ps:K, "
+        f"predict: cannot read method {method!r}; use ddp, ddp:tree, local_sgd:H, ps:K[:R], "
         "ps-colocated[:K], fsdp, hsdp:S (shard group), tp:T:ACTIVATION_MB, "
         "compressed:RATIO[:ENCODE_MS], pipeline:P:M or pp:P:M:ACTIVATION_MB"
     )
