@@ -134,9 +134,11 @@ def test_an_asynchronous_parameter_server_job_killed_whole_continues_from_its_la
     """asp and ssp: every --checkpoint-every updates the servers take a cut (no lease out,
     each server's copy of the same pushes). A SIGKILL of the whole job mid-run, pushes in
     flight, and the same command continues from the newest cut on every server: what was
-    applied after it is trained again, every other sample once per epoch."""
+    applied after it is trained again, every other sample once per epoch. ssp's runs with
+    backups of the slices (--ps-replicas 1): a whole-job kill takes them with it, and the
+    cuts are what continues the job, as without them."""
     out = tmp_path / "run"
-    bound = ["--staleness", "2"] if consistency == "ssp" else []
+    bound = ["--staleness", "2", "--ps-replicas", "1"] if consistency == "ssp" else []
     job = [*PS, "--consistency", consistency, *bound, "--lr", "0.05", "--epochs", "2", *JOB,
            "--checkpoint-every", "8", "--log-sample-ids", "--out", str(out)]  # fmt: skip
     # Worker 0 is slowed (sleeps, the same math) so that the kill lands mid-run.
