@@ -28,17 +28,23 @@ def server_restores(summary):
 
 def test_bsp_through_kills_of_primaries_and_backups_ends_bitwise_as_without_them(tmp_path):
     """--deterministic: the servers sum a step's pushes in worker order, so the run without
-    kills is the reference to the last bit; the run with three kills must end there."""
+    kills is the reference to the last bit; the run with three kills must end there, and so
+    must one whose server 0 is lost for good (no restart left: its backup's process serves
+    its slice and deals the data from then on)."""
     job = [*REPLICATED, "--consistency", "bsp", "--epochs", "2", "--deterministic",
            "--lr", "0.05", *JOB]  # fmt: skip
     runs = {}
-    for name, extra in [("steady", []), ("killed", ["--inject", KILLS])]:
+    lost = ["--inject", "kill:rank=3:step=14", "--max-restarts", "0"]
+    for name, extra in [("steady", []), ("killed", ["--inject", KILLS]), ("lost", lost)]:
         out = tmp_path / name
         result = run_cli("run", *job, *extra, "--log-sample-ids", "--out", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = load_run(out)
         assert_no_orphans(out)
-    (steady, _), (killed, records) = runs["steady"], runs["killed"]
+    (steady, _), (killed, records), (taken, _) = runs["steady"], runs["killed"], runs["lost"]
+    [death] = taken["recoveries"]
+    assert (death["server"], death["restarted"], death["taken_over_by"]) == (0, False, 4)
+    assert taken["params_sha256"] == steady["params_sha256"]
     assert server_restores(killed) == [(0, "backup"), (1, "backup"), (0, "backup")], killed
     assert killed["params_sha256"] == steady["params_sha256"]
     assert killed["ps"]["server_updates"] == steady["ps"]["server_updates"] == [
@@ -83,3 +89,23 @@ def test_a_backup_is_refused_where_there_is_no_other_server(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "error:" in result.stderr and "--num-servers 2 or more" in result.stderr
     assert "Traceback" not in result.stderr and not out.exists()
+
+
+def test_a_job_that_loses_both_copies_of_a_slice_fails_and_says_so(tmp_path):
+    """Server 1 lost for good (its slice then lives only in rank 3, its backup's process),
+    then rank 3 lost too: nothing holds those slices any more. The job fails, and says
+    why."""
+    out = tmp_path / "run"
+    result = run_cli("run", *PS, "--ps-replicas", "1", "--consistency", "asp", *JOB,
+                     "--epochs", "2", "--inject", "kill:rank=4:step=10,kill:rank=3:step=30",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "both copies of a slice are gone" in result.stderr, result.stderr[-3000:]
+    # Both slices are gone: server 0's (rank 3 dead, its backup rank 4 dead before) and
+    # server 1's (served by rank 3): whichever the launcher names, it names both ranks.
+    assert (
+        "server 0's backup (rank 4) is lost too" in result.stderr
+        or "rank 3, which served server 1's slice, died too" in result.stderr
+    ), result.stderr
+    assert "Traceback" not in result.stderr
+    assert_no_orphans(out)

@@ -294,17 +294,23 @@ def ps_recoveries(
                 entry["resumed_s"] = back["unix_time"] - died
         else:
             server = rank - num_workers
+            # Restarted; or, lost for good under --ps-replicas, served by its backup's process
+            # (a "restored" event naming that host).
             restored = [e for e in events if e["event"] == "restored" and e["server"] == server
-                        and e["attempt"] == death["attempt"] + 1]  # fmt: skip
+                        and (e["attempt"] == death["attempt"] + 1
+                             or ("host" in e and e["unix_time"] > died))]  # fmt: skip
             entry["server"] = server
             entry["restored_version"] = restored[0]["version"] if restored else None
             # --ps-replicas: from the backup's copy (nothing lost), else its checkpoint.
             entry["restored_from"] = restored[0].get("from", "checkpoint") if restored else None
+            if restored and "host" in restored[0]:
+                entry["taken_over_by"] = restored[0]["host"]
             entry["resumed_s"] = restored[0]["unix_time"] - died if restored else None
             entry["detected_s"] = 0.0  # a link breaks the moment its process dies
             # Its slice's next applied update: from the kill to training again.
+            served = restored[0]["attempt"] if restored else death["attempt"] + 1
             updated = [e for e in events if e["event"] == "updated" and e["server"] == server
-                       and e["attempt"] == death["attempt"] + 1]  # fmt: skip
+                       and e["attempt"] == served]  # fmt: skip
             entry["next_update_s"] = updated[0]["unix_time"] - died if updated else None
         out.append(entry)
     # Workers dropped without dying: from a bsp barrier, or (ssp) from the staleness bound

@@ -73,6 +73,9 @@ class PSFleet(JobFleet):
         super().__init__(cfg, run_dir)
         self.num_servers = cfg.ps.num_servers
         self.num_workers = self.world - self.num_servers
+        # --ps-replicas: servers lost for good -> (the rank serving their slice, since when)
+        self.taken_over: dict[int, tuple[int, float]] = {}
+        self.lost_both: str | None = None
         self.listener = None
         if self.nnodes == 1:  # the processes are all local: the store listens on loopback only
             self.store, self.listener = loopback_store(cfg.launch.timeout_s)
@@ -273,8 +276,9 @@ class PSFleet(JobFleet):
         finished, failed = self.ends()
         workers = set(range(self.num_workers))
         servers = set(range(self.num_workers, self.world))
-        if servers & failed:
+        if servers & failed and not self._take_over(servers & failed, failed):
             return False
+        servers -= set(self.taken_over)
         if workers & failed == workers:
             return False
         if workers <= finished | failed and self.finish_at is None:
@@ -286,6 +290,32 @@ class PSFleet(JobFleet):
         if self.finish_at is not None:
             waiting = servers - finished
             return bool(waiting) and time.monotonic() - self.finish_at < FINISH_GRACE_S
+        return True
+
+    def _take_over(self, lost: set[int], failed: set[int]) -> bool:
+        """--ps-replicas: each server lost for good (no restart left, its node gone) has its
+        slice served by its backup's process from then on (ps/promote/K). False when one's
+        backup is lost too, or was before (a slice served there has no backup left)."""
+        from scaletrain.strategies.param_server.replica import backup_of, promote_key
+
+        if not self.cfg.ps.ps_replicas:
+            return False
+        for rank in sorted(lost - set(self.taken_over)):
+            k = rank - self.num_workers
+            backup = self.num_workers + backup_of(k, self.num_servers)
+            if backup in failed or backup in self.taken_over:
+                self.lost_both = f"server {k}'s backup (rank {backup}) is lost too"
+                return False
+            log.warning("server %d (rank %d) is lost for good; its backup on rank %d serves "
+                        "its slice from now on", k, rank, backup)  # fmt: skip
+            self.store.set(promote_key(k), str(backup))
+            self.taken_over[rank] = (backup, time.time())
+        # A process serving a taken-over slice must not die: the slice has no copy left.
+        for rank, (host, since) in self.taken_over.items():
+            if any(d["rank"] == host and d["died_at"] > since for d in self.deaths):
+                k = rank - self.num_workers
+                self.lost_both = f"rank {host}, which served server {k}'s slice, died too"
+                return False
         return True
 
     def check(self) -> None:
@@ -303,6 +333,8 @@ class PSFleet(JobFleet):
         if not self.is_head:
             servers &= set(self.local)
             workers = set()
+        if self.lost_both is None:  # a slice taken over by its backup's process is served
+            servers -= set(self.taken_over)
         dead_server = sorted(servers & failed)
         if dead_server or (workers and not workers & finished) or not servers <= finished:
             rank = (
@@ -314,6 +346,8 @@ class PSFleet(JobFleet):
             log = self.run_dir / "logs" / f"rank{rank}.log"
             what = "server" if rank in servers else "worker"
             cause = death["cause"] if death else "did not finish"
+            if self.lost_both:
+                cause += f", and both copies of a slice are gone: {self.lost_both}"
             raise PSFailed(
                 f"the parameter server run failed: {what} rank {rank} {cause} (restarts "
                 f"used: {self.attempts[rank]} of --max-restarts {self.cfg.launch.max_restarts})."

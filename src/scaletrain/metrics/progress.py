@@ -197,6 +197,11 @@ def describe_ps_recovery(r: dict[str, Any], what: str) -> str:
         if r.get("resumed_s") is None:
             return line + "; not restarted"
         source = "its backup's copy" if r.get("restored_from") == "backup" else "its checkpoint"
+        if r.get("taken_over_by") is not None:
+            return line + (
+                f" lost for good; rank {r['taken_over_by']}, its backup, served its slice "
+                f"{r['resumed_s']:.1f} s later from its copy of version {r['restored_version']}"
+            )
         return line + (
             f" restarted and serving {r['resumed_s']:.1f} s later from {source} of "
             f"version {r['restored_version']}; the workers reconnected"

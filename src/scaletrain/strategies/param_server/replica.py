@@ -26,9 +26,13 @@ worker: ``Applied``). A backup's death costs nothing: the primary goes on withou
 until the restarted process has copied the slice again. Both processes of a pair dead
 together fall back to the primary's checkpoint, as without replicas.
 
-The failover here is a restart in place: the launcher restarts a dead server within a fraction
-of a second on its own host, and the restarted process takes the slice from its backup
-instead of from its checkpoint. A host lost for good (a restart elsewhere) is not handled.
+Two failovers. A dead server that its launcher restarts (within a fraction of a second, on
+its own host) takes its slice from the backup instead of from its checkpoint. A server lost
+for good (no restart left, its host gone) is taken over: the launcher sets ``promote_key``,
+and the backup's process serves the slice itself from its copy (server.py's ``_promote``)
+under a new incarnation, naming itself as the host (``ps/serverK.INC/host``) so that the
+workers hear of its own death; they join it as after a restart. A taken-over slice has no
+backup left: if its new host dies too, the job fails and says so.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ from scaletrain.strategies.param_server import transport as tp
 log = logging.getLogger("scaletrain.ps.replica")
 
 SYNC, STATE, FORWARD, ACK = 1, 2, 3, 4
+# The incarnation of a slice served by its backup's process after its primary was lost for
+# good: above any restart's attempt.
+PROMOTED = 1000
 
 
 def backup_of(k: int, num_servers: int) -> int:
@@ -65,6 +72,11 @@ def primary_key(k: int) -> str:
 def backup_key(k: int) -> str:
     """Where the backup of slice ``k`` publishes its process attempt."""
     return f"ps/replica/{k}/backup"
+
+
+def promote_key(k: int) -> str:
+    """Set by the launcher when slice ``k``'s primary is gone for good: its backup serves it."""
+    return f"ps/promote/{k}"
 
 
 def link_prefix(k: int, primary_attempt: int, backup_attempt: int) -> str:
@@ -304,9 +316,10 @@ class Backup:
         self, *, index: int, num_servers: int, num_workers: int, attempt: int, store: Any,
         new_store: Callable[[], Any], timeout_s: float, param: torch.Tensor,
         build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-        stop: threading.Event,
+        stop: threading.Event, on_promote: Callable[[dict[str, Any]], None],
     ) -> None:  # fmt: skip
         self.slice = (index - 1) % num_servers  # whose backup this is
+        self.on_promote = on_promote
         self.primary_rank = num_workers + self.slice
         self.attempt, self.store, self.new_store = attempt, store, new_store
         self.timeout_s, self.stop = timeout_s, stop
@@ -323,6 +336,11 @@ class Backup:
     def _run(self) -> None:
         tried: str | None = None
         while not self.stop.is_set():
+            if self.book is not None and self.store.check([promote_key(self.slice)]):
+                log.warning("slice %d: its primary is gone for good; serving it from this "
+                            "process (its backup)", self.slice)  # fmt: skip
+                self.on_promote(self.state())
+                return
             key = primary_key(self.slice)
             value = self.store.get(key).decode() if self.store.check([key]) else None
             if value is None or value == tried:

@@ -102,20 +102,32 @@ class ShardServer:
         new_store: Callable[[], Any],
         run_dir: Path,
         token: str,
+        host: tuple[int, int] | None = None,
+        taken: dict[str, Any] | None = None,
     ) -> None:
+        """``host`` and ``taken``: a slice whose primary is gone for good, served from its
+        backup's copy (``taken``) by the backup's process, rank and attempt ``host``
+        (``_promote``)."""
         self.cfg, self.index, self.num_workers = cfg, index, num_workers
+        self.model, self.build_optimizer = model, build_optimizer
+        self.num_train, self.shard_sizes = num_train, shard_sizes
+        self.promoted = taken is not None
+        self.siblings: list[threading.Thread] = []  # slices this process took over
         # The schedule's horizon, in this server's updates (--lr-schedule).
         self.total_updates = rules.total_updates(cfg, num_train, num_workers)
         self.rank = num_workers + index
-        self.faults = parse_inject(cfg.fault.inject)
+        # The process serving this slice: its own, or the backup's that took it over.
+        self.host = host or (self.rank, attempt)
+        # A taken-over slice runs in another rank's process: that rank's faults are its own.
+        self.faults = [] if self.promoted else parse_inject(cfg.fault.inject)
         # An update that does not end within --hang-timeout-s (a stuck apply, --inject hang of
         # this rank) ends this server (exit 75): its launcher restarts it from its checkpoint,
         # as after a death. Waiting for pushes is idle: nothing is owed then. Its heartbeat
         # file tells the launcher it is not frozen whole (launch/ps.py).
         self.watchdog = SelfWatchdog(
-            rank=num_workers + index,
+            rank=self.host[0],
             timeout_s=cfg.hang_timeout_s,
-            beat_path=server_beat_path(run_dir, num_workers + index),
+            beat_path=None if self.promoted else server_beat_path(run_dir, self.rank),
         )
         self.attempt, self.store, self.run_dir = attempt, store, run_dir
         # Each link sets itself up through a store connection of its own: a client is one
@@ -185,17 +197,21 @@ class ShardServer:
         self.unlogged: list[dict[str, Any]] = []  # server 0: ledger lines not forwarded yet
         self.primary: replica.Primary | None = None
         self.backup: replica.Backup | None = None
-        if cfg.ps.ps_replicas:
+        if cfg.ps.ps_replicas and not self.promoted:  # a taken-over slice has no backup left
             common = {"index": index, "num_servers": cfg.ps.num_servers,
                       "num_workers": num_workers, "attempt": attempt, "store": store,
                       "new_store": new_store, "timeout_s": cfg.launch.timeout_s,
                       "stop": self.stop}  # fmt: skip
             self.backup = replica.Backup(**common, param=self.param,
-                                         build_optimizer=build_optimizer)  # fmt: skip
+                                         build_optimizer=build_optimizer,
+                                         on_promote=self._promote)  # fmt: skip
             self.backup.start()
             self.primary = replica.Primary(**common, lock=self.cond,
                                            full_state=self._replica_state)  # fmt: skip
-        self._restore()
+        if taken is not None:
+            self._restore_replica(taken)
+        else:
+            self._restore()
         if self.primary is not None:
             self.primary.start()
 
@@ -290,10 +306,30 @@ class ShardServer:
             self.started = bool(self.kept)
             self._log_forwarded(book.ledger)
             threading.Thread(target=self._watch_kept, daemon=True).start()
-        log.info("server %d took version %d from its backup", self.index, self.version)
-        append_event(self.run_dir, {"event": "restored", "server": self.index,
-                                    "version": self.version, "attempt": self.attempt,
-                                    "from": "backup"})  # fmt: skip
+        log.info("server %d took version %d from its backup%s", self.index, self.version,
+                 f", served by rank {self.host[0]}" if self.promoted else "")  # fmt: skip
+        event = {"event": "restored", "server": self.index, "version": self.version,
+                 "attempt": self.attempt, "from": "backup"}  # fmt: skip
+        if self.promoted:
+            event["host"] = self.host[0]
+        append_event(self.run_dir, event)
+
+    def _promote(self, state: dict[str, Any]) -> None:
+        """The backup's thread: the primary of the slice this process backs up is gone for
+        good (its launcher will not restart it: ps/promote/K). Serve that slice from here, from
+        the backup's copy, under a new incarnation the workers join as after a restart."""
+        assert self.backup is not None
+        sibling = ShardServer(
+            self.cfg, model=self.model, build_optimizer=self.build_optimizer,
+            num_train=self.num_train, shard_sizes=self.shard_sizes, index=self.backup.slice,
+            num_workers=self.num_workers, attempt=replica.PROMOTED + self.attempt,
+            store=self.new_store(), new_store=self.new_store, run_dir=self.run_dir,
+            token=self.token, host=(self.rank, self.attempt), taken=state,
+        )  # fmt: skip
+        thread = threading.Thread(target=sibling.serve, daemon=True,
+                                  name=f"server{self.backup.slice}")  # fmt: skip
+        thread.start()
+        self.siblings.append(thread)
 
     def _log_forwarded(self, lines: list[dict[str, Any]]) -> None:
         """Server 0 restored from a backup: the ledger lines of the last forward, which its
@@ -532,6 +568,10 @@ class ShardServer:
         self.watchdog.start().enter(self.version, SelfWatchdog.IDLE)
         acceptor = threading.Thread(target=self._accept, name="acceptor", daemon=True)
         acceptor.start()
+        # Which process serves this incarnation (a taken-over slice: its backup's), for the
+        # workers to hear of its death; then the incarnation the workers join.
+        self.store.set(f"ps/server{self.index}.{self.attempt}/host",
+                       f"{self.host[0]}.{self.host[1]}")  # fmt: skip
         self.store.set(f"ps/server{self.index}/incarnation", str(self.attempt))
         log.info("server %d serving %d parameters (attempt %d)",
                  self.index, self.param.numel(), self.attempt)  # fmt: skip
@@ -553,6 +593,8 @@ class ShardServer:
         finally:
             self.stop.set()
             self.watchdog.stop()
+            for sibling in self.siblings:  # the slices it took over write theirs too
+                sibling.join(60.0)
         with self.cond:
             final = {
                 "param": self.param.detach().clone(),
@@ -575,6 +617,13 @@ class ShardServer:
             self.ledger.close()
 
     def _checkpoint_preempted(self) -> None:
+        try:
+            self._checkpoint_now()
+        finally:
+            for sibling in self.siblings:
+                sibling.join(60.0)
+
+    def _checkpoint_now(self) -> None:
         """The job was preempted and every worker has left (launch/ps.py): nothing is in
         flight, so the slices of all servers are of the same updates. Each writes its
         checkpoint (after any background write of its own: save_lock), and the same command

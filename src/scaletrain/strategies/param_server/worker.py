@@ -173,6 +173,10 @@ class PSWorkerStrategy(Strategy):
         # Tried: if it dies before the link is made, the next attempt waits for its successor.
         self.incarnation[k] = inc
         peer = (self.num_workers + k, inc)
+        host = f"ps/server{k}.{inc}/host"  # the process serving it (a backup's, taken over)
+        if self.store.check([host]):
+            rank, attempt = self.store.get(host).decode().split(".")
+            peer = (int(rank), int(attempt))
         scope = f"ps/server{k}.{inc}"
         base = f"{scope}/joins"
         n = self.store.add(f"{base}/count", 1)
