@@ -7,11 +7,25 @@ SIGKILLs, gloo on loopback (strategies/param_server/replica.py)."""
 
 from __future__ import annotations
 
+import os
+import random
+import signal
+import time
+
 import pytest
 
+from scaletrain.env import STRESS_SEED
 from scaletrain.io import read_jsonl
 from tests.conftest import assert_no_orphans, run_cli, stress_only
-from tests.dist.test_param_server import DIGITS, JOB, PS, assert_exactly_once, assert_ledger_once
+from tests.dist.test_jobs import start, wait_for_step
+from tests.dist.test_param_server import (
+    DIGITS,
+    JOB,
+    PS,
+    assert_exactly_once,
+    assert_ledger_once,
+    worker_pid,
+)
 from tests.dist.test_param_server import load as load_run
 
 REPLICATED = [*PS, "--ps-replicas", "1", "--max-restarts", "3"]
@@ -108,4 +122,48 @@ def test_a_job_that_loses_both_copies_of_a_slice_fails_and_says_so(tmp_path):
         or "rank 3, which served server 1's slice, died too" in result.stderr
     ), result.stderr
     assert "Traceback" not in result.stderr
+    assert_no_orphans(out)
+
+
+@stress_only
+def test_servers_sigkilled_at_random_moments_lose_no_acknowledged_push(tmp_path):
+    """The injected kills land before an update; a SIGKILL from outside lands anywhere: in
+    a forward, between a forward and its reply (the push is then on the backup and its worker
+    sends it again: applied once), in a copy to a restarted backup. Six of them, at moments
+    drawn from the stress seed, each once the last victim's slice and the other's are both
+    backed up again (the "backup_synced" events); asp, every count exact."""
+    rng = random.Random(int(os.environ.get(STRESS_SEED, "0")))
+    out = tmp_path / "run"
+    proc = start(*REPLICATED, "--max-restarts", "6", "--consistency", "asp", "--epochs", "8",
+                 "--lr", "0.02", *JOB, "--log-sample-ids", "--out", str(out))  # fmt: skip
+    events = out / "logs" / "ps_events.jsonl"
+
+    def protected(since: float) -> bool:
+        """Both slices backed up by processes that synced after ``since``."""
+        synced = {e["server"] for e in read_jsonl(events)
+                  if e["event"] == "backup_synced" and e["unix_time"] > since}  # fmt: skip
+        return synced == {0, 1}
+
+    wait_for_step(out, 3, proc)
+    for _ in range(6):
+        rank = rng.choice([3, 4])
+        pid = worker_pid(out, rank)
+        assert pid is not None and proc.poll() is None
+        time.sleep(rng.uniform(0.0, 0.3))  # a moment drawn, not a wait for an event
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not protected(killed_at):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.poll()
+            time.sleep(0.02)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    summary, records = load_run(out)
+    restores = server_restores(summary)
+    assert len(restores) == 6 and all(source == "backup" for _, source in restores), restores
+    acknowledged = len(records)
+    assert summary["ps"]["server_updates"] == [acknowledged, acknowledged], summary["ps"]
+    assert acknowledged == -(-DIGITS // 32) * 8
+    assert_exactly_once(records, 8)
+    assert_ledger_once(out, 8)
     assert_no_orphans(out)

@@ -178,8 +178,11 @@ class Primary:
         self, *, index: int, num_servers: int, num_workers: int, attempt: int, store: Any,
         new_store: Callable[[], Any], timeout_s: float, lock: threading.Condition,
         full_state: Callable[[], dict[str, Any]], stop: threading.Event,
+        on_synced: Callable[[int], None],
     ) -> None:  # fmt: skip
+        """``on_synced(backup_attempt)``: a backup process holds the whole slice (again)."""
         self.index, self.attempt = index, attempt
+        self.on_synced = on_synced
         self.backup = backup_of(index, num_servers)
         self.backup_rank = num_workers + self.backup
         self.store, self.new_store, self.timeout_s = store, new_store, timeout_s
@@ -214,6 +217,7 @@ class Primary:
                 self.unsynced = link  # the backup waits for this primary's state
                 return None
             self.link = link
+            self.on_synced(int(self.linked or -1))
             return cast(dict[str, Any], from_bytes(data))
         return None
 
@@ -280,6 +284,7 @@ class Primary:
                 self.link, self.pending = link, []
                 self.sent = torch.empty(0, dtype=torch.uint8)
             log.info("slice %d: backup on server %d holds it", self.index, self.backup)
+            self.on_synced(int(self.linked or -1))
 
     def _connect(self, deadline: float | None) -> tp.Link | None:
         """A link to the backup process that is up now (a dead one's successor is waited

@@ -195,6 +195,7 @@ class ShardServer:
         self.applied_step: dict[int, tuple[int, int]] = {}
         self.kept: dict[int, tuple[int, Lease | None]] = {}
         self.unlogged: list[dict[str, Any]] = []  # server 0: ledger lines not forwarded yet
+        self.resent_applied = 0  # pushes sent again that this slice held already
         self.primary: replica.Primary | None = None
         self.backup: replica.Backup | None = None
         if cfg.ps.ps_replicas and not self.promoted:  # a taken-over slice has no backup left
@@ -207,7 +208,8 @@ class ShardServer:
                                          on_promote=self._promote)  # fmt: skip
             self.backup.start()
             self.primary = replica.Primary(**common, lock=self.cond,
-                                           full_state=self._replica_state)  # fmt: skip
+                                           full_state=self._replica_state,
+                                           on_synced=self._backup_synced)  # fmt: skip
         if taken is not None:
             self._restore_replica(taken)
         else:
@@ -266,10 +268,14 @@ class ShardServer:
         )  # fmt: skip
         if self.coordinator is not None:
             book.coordinator = self.coordinator.snapshot()
+            # Each worker's lease: dealt here, or (restored from a backup) kept for a worker
+            # that has not joined again yet, whose holder is still the one it was kept for.
+            held = {w: lease for w, (_, lease) in self.kept.items()} | self.leases
             book.leases = {w: None if lease is None else
                            [lease.epoch, lease.step, list(lease.positions)]
-                           for w, lease in self.leases.items()}  # fmt: skip
-            book.sessions = {w: self.sessions[w] for w in self.leases if w in self.sessions}
+                           for w, lease in held.items()}  # fmt: skip
+            book.sessions = {w: holder for w, (holder, _) in self.kept.items()}
+            book.sessions |= {w: self.sessions[w] for w in self.leases if w in self.sessions}
             book.ledger = list(self.unlogged)
         return book
 
@@ -278,6 +284,13 @@ class ShardServer:
         return {"param": self.param.detach().clone(),
                 "optimizer": _clone(self.optimizer.state_dict()),
                 "book": self._book().encode()}  # fmt: skip
+
+    def _backup_synced(self, backup_attempt: int) -> None:
+        """The backup's process (that attempt) holds this slice whole: from here on a death
+        of this server loses nothing (the "backup_synced" event)."""
+        append_event(self.run_dir, {"event": "backup_synced", "server": self.index,
+                                    "attempt": self.attempt,
+                                    "backup_attempt": backup_attempt})  # fmt: skip
 
     def _replicate(self) -> None:
         """Lock held, before any reply: the backup holds every update the reply tells of."""
@@ -608,6 +621,7 @@ class ShardServer:
                     "forwards": self.primary.forwards,
                     "forward_s": round(self.primary.forward_s, 4),
                     "copies_given": self.backup.gave,
+                    "resent_already_applied": self.resent_applied,
                 },
             }
         atomic_torch_save(self.run_dir / "checkpoints" / f"final-server{self.index}.pt", final)
@@ -871,6 +885,7 @@ class ShardServer:
                 # Sent again after a server died with it unanswered, and already applied
                 # (before the death, on both copies of the slice): not applied twice.
                 applied_factor, committed, stale = 1.0, True, 0
+                self.resent_applied += 1
             elif self._foreign_lease(worker, step):
                 return self._dropped_reply()
             else:
@@ -942,6 +957,7 @@ class ShardServer:
         if self.applied_step.get(worker) == (self.sessions.get(worker), step):
             # Sent again after a server died with it unanswered, and already applied
             # (released before the death, on both copies of the slice): not applied twice.
+            self.resent_applied += 1
             return self._reply(worker, started, staleness=0, committed=True,
                                lr_factor=self.released_lr_factor)  # fmt: skip
         if self._foreign_lease(worker, step):

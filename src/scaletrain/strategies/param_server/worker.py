@@ -188,11 +188,28 @@ class PSWorkerStrategy(Strategy):
                 f"server {k} {answer}: this worker's SCALETRAIN_JOIN_TOKEN is not the servers' "
                 "(give every node the same --join-token-file)"
             )
-        link = tp.Link(self.new_store(), f"ps/link/s{k}.{inc}/w{self.worker}.{self.attempt}",
-                       server_side=False, timeout_s=self.cfg.launch.timeout_s,
-                       peer=peer)  # fmt: skip
+        try:
+            link = tp.Link(self.new_store(), f"ps/link/s{k}.{inc}/w{self.worker}.{self.attempt}",
+                           server_side=False, timeout_s=self.cfg.launch.timeout_s,
+                           peer=peer)  # fmt: skip
+        except tp.PeerDied:
+            raise
+        except RuntimeError as e:
+            # Gloo gave up connecting ("Connection refused"): the server may have died before
+            # its launcher said so. Its death notice then follows within moments.
+            if self._death_said(peer, 2.0):
+                raise tp.PeerDied(f"server {k} died while its link was made") from e
+            raise
         self.links[k] = link
         return link
+
+    def _death_said(self, peer: tuple[int, int], within_s: float) -> bool:
+        deadline = time.monotonic() + within_s
+        while not self.store.check([tp.death_key(*peer)]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _await_answer(self, key: str, peer: tuple[int, int]) -> None:
         """Until the server has answered a join (``key``), or PeerDied once the launcher
