@@ -55,6 +55,7 @@ FAULT_TESTS = [
     "tests/dist/test_ps_transport.py",
     "tests/dist/test_ps_beat.py",
     "tests/dist/test_ps_jobs.py",
+    "tests/dist/test_ps_replicas.py",  # backups: kills at drawn moments, ssp, and the rest
     "tests/dist/test_inplace.py",
     "tests/dist/test_inplace_jobs.py",
     "tests/dist/test_inplace_rounds.py",
