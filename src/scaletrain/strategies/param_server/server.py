@@ -196,6 +196,7 @@ class ShardServer:
         self.kept: dict[int, tuple[int, Lease | None]] = {}
         self.unlogged: list[dict[str, Any]] = []  # server 0: ledger lines not forwarded yet
         self.resent_applied = 0  # pushes sent again that this slice held already
+        self.members: dict[int, int] = {}  # restored from a backup: worker -> its process attempt
         self.primary: replica.Primary | None = None
         self.backup: replica.Backup | None = None
         if cfg.ps.ps_replicas and not self.promoted:  # a taken-over slice has no backup left
@@ -310,6 +311,9 @@ class ShardServer:
         self.version, self.released_step = book.version, book.released_step
         self.applied = book.applied
         self.applied_clock, self.applied_step = book.clocks, book.steps
+        # The worker processes this slice had applied pushes of: _start_timer waits for them.
+        self.members = {w: a for w, (a, _) in (book.clocks | book.steps).items()}
+        self.members |= {w: a for w, a in book.sessions.items()}
         self.checkpointed = self.version
         if self.coordinator is not None and book.coordinator is not None:
             self.coordinator.load_snapshot(book.coordinator)
@@ -762,6 +766,9 @@ class ShardServer:
             if worker not in self.live or self.sessions.get(worker) != attempt:
                 return
             requeued = self._drop(worker)
+            if not died:  # it sends nothing more: a restored copy is not to wait for it
+                self.applied_clock.pop(worker, None)
+                self.applied_step.pop(worker, None)
             self._replicate()  # the backup's plan must not keep the lease out
             if died:
                 append_event(self.run_dir, {"event": "worker_lost", "server": self.index,
@@ -815,8 +822,21 @@ class ShardServer:
         """bsp and ssp: go on without the workers that did not say hello in time: under bsp
         server 0 deals the first step and every server releases its barrier, under ssp the
         workers are no longer held for them (a restarted server waits briefly: the workers
-        that are alive reconnect at once)."""
-        grace = self.cfg.launch.timeout_s if self.attempt == 0 else 2.0
+        that are alive reconnect at once). One restored from its backup waits for every
+        worker its slice had applied pushes of, unless that process is dead (or --timeout-s
+        passes): going on without one that was late to reconnect (a store connection once took
+        5 s in a storm of restarts) changed a bsp step, and with it the weights."""
+        if self.members:
+            deadline = time.monotonic() + self.cfg.launch.timeout_s
+            while not self.stop.wait(0.02) and time.monotonic() < deadline:
+                with self.cond:
+                    missing = [w for w, a in self.members.items() if w not in self.hellos
+                               and not self.store.check([tp.death_key(w, a)])]  # fmt: skip
+                if not missing:
+                    break
+            grace = 0.0
+        else:
+            grace = self.cfg.launch.timeout_s if self.attempt == 0 else 2.0
         if not self.stop.wait(grace):
             with self.cond:
                 self.start_forced = True
