@@ -32,6 +32,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -58,6 +59,69 @@ PRELOAD = [
 ]
 
 
+class _SpawnView:
+    """``multiprocessing.spawn`` as popen_forkserver calls it, except that the preparation
+    data of a scaletrain process does not name the caller's ``__main__``. multiprocessing
+    sends every forked child the caller's main script to run again (as ``__mp_main__``), so
+    that a target defined there can be unpickled. A worker's target is scaletrain's own, and
+    a script that calls ``scaletrain.run`` at module level, without a main guard, would then
+    run again in every worker, launching a job of its own; from ``python -`` the child
+    failed to open ``<stdin>``. Other processes forked from the server keep the standard
+    behaviour."""
+
+    def __getattr__(self, name: str) -> Any:
+        from multiprocessing import spawn
+
+        return getattr(spawn, name)
+
+    def get_preparation_data(self, name: str) -> dict[str, Any]:
+        from multiprocessing import spawn
+
+        data: dict[str, Any] = spawn.get_preparation_data(name)
+        if getattr(_LAUNCHING, "ours", False):
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+        return data
+
+
+_LAUNCHING = threading.local()
+
+
+def _runs_scaletrain(process: Any) -> bool:
+    """Whether a Process runs a function of scaletrain's: its target (a fleet's), or one
+    its arguments wrap (torch's agent passes its wrappers, our entrypoint inside)."""
+
+    def mentions(obj: Any, depth: int) -> bool:
+        if getattr(obj, "__module__", None) and callable(obj):
+            return str(obj.__module__).startswith("scaletrain.")
+        if depth and isinstance(obj, (tuple, list)):
+            return any(mentions(item, depth - 1) for item in obj)
+        if depth and isinstance(obj, dict):
+            return any(mentions(item, depth - 1) for item in obj.values())
+        return False
+
+    target = getattr(process, "_target", None)
+    return mentions(target, 0) or mentions(getattr(process, "_args", ()), 3)
+
+
+def _keep_callers_main_out() -> None:
+    from multiprocessing import popen_forkserver
+
+    if isinstance(popen_forkserver.spawn, _SpawnView):  # type: ignore[attr-defined]
+        return
+    launch = popen_forkserver.Popen._launch  # type: ignore[attr-defined]
+
+    def _launch(self: Any, process: Any) -> None:
+        _LAUNCHING.ours = _runs_scaletrain(process)
+        try:
+            launch(self, process)
+        finally:
+            _LAUNCHING.ours = False
+
+    popen_forkserver.spawn = _SpawnView()  # type: ignore[attr-defined]
+    popen_forkserver.Popen._launch = _launch  # type: ignore[attr-defined]
+
+
 def prepare() -> None:
     """The fork server, when the agent first starts workers (after the rendezvous), will
     import PRELOAD. Not sooner: started with the launcher, its imports competed with the
@@ -68,6 +132,7 @@ def prepare() -> None:
     # NVML instead of initializing the CUDA driver, which a forked child could not use.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     _start_with_group_signals_blocked()
+    _keep_callers_main_out()
 
 
 def _start_with_group_signals_blocked() -> None:
