@@ -15,6 +15,7 @@ import time
 import pytest
 
 from scaletrain.env import STRESS_SEED
+from scaletrain.fault.internal import INTERNAL_EXIT_CODE
 from scaletrain.io import read_jsonl
 from tests.conftest import assert_no_orphans, run_cli, stress_only
 from tests.dist.test_jobs import start, wait_for_step
@@ -180,3 +181,87 @@ def test_servers_sigkilled_at_random_moments_lose_no_acknowledged_push(tmp_path,
         result = run_cli("run", *job, "--out", str(steady))
         assert result.returncode == 0, result.stderr[-3000:]
         assert load_run(steady)[0]["params_sha256"] == summary["params_sha256"]
+
+
+# The digits CNN's parameter count divides by neither 3, 5 nor 7: the slices differ in
+# length by one element, and each backup holds a slice of another length than its own.
+@pytest.mark.parametrize(
+    ("num_servers", "consistency"),
+    [
+        (3, "bsp"),
+        pytest.param(5, "asp", marks=stress_only),
+        pytest.param(7, "ssp", marks=stress_only),
+    ],  # fmt: skip
+)
+def test_uneven_slices_are_backed_up_and_train_as_without_backups(
+    tmp_path, num_servers, consistency
+):
+    """A fault-free run with backups ends where the run without them ends (bsp: to the bit,
+    under --deterministic), for a server count that does not divide the parameters. The
+    backups' copies started sized like their own server's slice, failed on the first copy,
+    and held the job until gloo's timeout."""
+    mode = ["--consistency", consistency] + (["--staleness", "1"] if consistency == "ssp" else [])
+    job = ["--strategy", "ps", "--nproc-per-node", str(num_servers + 3), "--num-servers",
+           str(num_servers), *mode, *JOB, "--epochs", "1", "--timeout-s", "60"]  # fmt: skip
+    if consistency == "bsp":
+        job.append("--deterministic")
+    runs = {}
+    for name, extra in [("plain", []), ("backed", ["--ps-replicas", "1"])]:
+        out = tmp_path / name
+        result = run_cli("run", *job, *extra, "--out", str(out), timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = load_run(out)[0]
+        assert_no_orphans(out)
+    plain, backed = runs["plain"], runs["backed"]
+    numels = backed["ps"]["server_numel"]
+    assert len(set(numels)) == 2, numels  # the count does not divide: the case in question
+    forwards = [r["forwards"] for r in backed["ps"]["replication"]]
+    assert all(f > 0 for f in forwards), backed["ps"]["replication"]
+    assert backed["ps"]["server_updates"] == plain["ps"]["server_updates"]
+    if consistency == "bsp":
+        assert backed["params_sha256"] == plain["params_sha256"]
+
+
+# Both ends of slice 0's replication in one process; the backup's copy is one element short
+# of the primary's slice (a bug in how a server sizes it). The primary waits for the ACK of
+# its first forward on a link whose timeout is 300 s.
+MISSIZED_BACKUP = """
+import logging, threading, torch, torch.distributed as dist
+from torch import nn
+from scaletrain.strategies.param_server import replica
+logging.basicConfig(level=logging.INFO)
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+common = dict(num_servers=2, num_workers=1, attempt=0, store=store, timeout_s=300,
+              new_store=lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False),
+              stop=threading.Event())
+sgd = lambda params: torch.optim.SGD(params, lr=0.1)
+replica.Backup(index=1, param=torch.zeros(5), build_optimizer=sgd,
+               on_promote=lambda state: None, **common).start()
+param = nn.Parameter(torch.zeros(6))
+state = {"param": param.detach().clone(), "optimizer": sgd([param]).state_dict(),
+         "book": replica.Applied().encode()}
+lock = threading.Condition()
+primary = replica.Primary(index=0, lock=lock, full_state=lambda: state,
+                          on_synced=lambda attempt: None, **common)
+primary.start()
+with lock:
+    lock.wait_for(lambda: primary.link is not None)
+    primary.forward(replica.Applied(version=1))
+print("the primary went on")
+"""
+
+
+def test_a_backup_that_fails_but_not_by_a_death_ends_its_process_at_once(tmp_path):
+    """A bug on the backup's side (here a copy of the wrong size) is not a lost primary:
+    the process exits with the internal-failure status within seconds, and its launcher
+    fails the job (never restarted: the same code would fail the same way). Caught and
+    logged as a lost link, it left the primary waiting for its ACK until the link's timeout."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", MISSIZED_BACKUP], capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert result.returncode == INTERNAL_EXIT_CODE, result.stderr[-3000:]
+    assert "internal failure in the backup of slice 0" in result.stderr, result.stderr[-3000:]
+    assert "this backup's (5,)" in result.stderr
+    assert "the primary went on" not in result.stdout

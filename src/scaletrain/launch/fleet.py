@@ -28,10 +28,13 @@ if TYPE_CHECKING:
 
 
 def describe_exit(code: int) -> str:
+    from scaletrain.fault.internal import INTERNAL_EXIT_CODE
     from scaletrain.fault.watchdog import HANG_EXIT_CODE
 
     if code == HANG_EXIT_CODE:
         return "hang: ended by its watchdog after --hang-timeout-s without progress"
+    if code == INTERNAL_EXIT_CODE:
+        return "internal failure (a bug in scaletrain, not in the input; not restarted)"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -52,6 +55,8 @@ class ProcessFleet:
         self.deaths: list[dict[str, Any]] = []
         self.finished: set[int] = set()
         self.failed: set[int] = set()  # dead for good
+        # Ended by an internal failure (fault/internal.py): never restarted, the job fails.
+        self.internal: set[int] = set()
 
     def env(self, rank: int) -> dict[str, str]:
         """The environment of ``rank``'s process (subclasses add their own)."""
@@ -127,7 +132,10 @@ class ProcessFleet:
         return describe_exit(code)
 
     def _died(self, rank: int, code: int) -> None:
-        death = self._record_death(rank, code, self.may_restart(rank))
+        from scaletrain.fault.internal import INTERNAL_EXIT_CODE
+
+        internal = code == INTERNAL_EXIT_CODE
+        death = self._record_death(rank, code, not internal and self.may_restart(rank))
         self.deaths.append(death)
         self.died(rank, self.attempts[rank], death["cause"])
         if death["restarted"]:
@@ -136,7 +144,9 @@ class ProcessFleet:
             self.start(rank)
         else:
             self.failed.add(rank)
-            self.ended(rank, "failed")
+            if internal:
+                self.internal.add(rank)
+            self.ended(rank, "internal" if internal else "failed")
 
     def died(self, rank: int, attempt: int, cause: str) -> None:
         """``rank``'s process ``attempt`` died (before any restart); for subclasses to

@@ -32,7 +32,7 @@ from scaletrain.config import RunConfig
 from scaletrain.fault.preempt import preemption_request
 from scaletrain.fault.recoveries import ps_job_resumes, ps_recoveries
 from scaletrain.io import read_jsonl
-from scaletrain.launch.errors import Preempted
+from scaletrain.launch.errors import InternalFailure, Preempted
 from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals, save_final_model
 from scaletrain.metrics.logs import tail
@@ -261,7 +261,10 @@ class PSFleet(JobFleet):
                     self._remote[rank] = self.store.get(f"ps/end/{rank}").decode()
             self._check_silent_nodes(now)
         finished = self.finished | {r for r, how in self._remote.items() if how == "finished"}
-        failed = self.failed | {r for r, how in self._remote.items() if how == "failed"}
+        self.internal |= {r for r, how in self._remote.items() if how == "internal"}
+        failed = (
+            self.failed | self.internal | {r for r, how in self._remote.items() if how == "failed"}
+        )
         return finished, failed
 
     def keep_running(self) -> bool:
@@ -272,8 +275,10 @@ class PSFleet(JobFleet):
             servers = set(range(self.num_workers, self.world))
             if self._pending and not self.procs:
                 return True  # until the beat thread has published how they ended
-            return bool(self.procs) and not servers & self.failed
+            return bool(self.procs) and not servers & self.failed and not self.internal
         finished, failed = self.ends()
+        if self.internal:  # a bug, not a death: no restart or takeover can help
+            return False
         workers = set(range(self.num_workers))
         servers = set(range(self.num_workers, self.world))
         if servers & failed and not self._take_over(servers & failed, failed):
@@ -335,6 +340,8 @@ class PSFleet(JobFleet):
             workers = set()
         if self.lost_both is None:  # a slice taken over by its backup's process is served
             servers -= set(self.taken_over)
+        if self.internal:
+            self._raise_internal()
         dead_server = sorted(servers & failed)
         if dead_server or (workers and not workers & finished) or not servers <= finished:
             rank = (
@@ -353,6 +360,16 @@ class PSFleet(JobFleet):
                 f"used: {self.attempts[rank]} of --max-restarts {self.cfg.launch.max_restarts})."
                 f" Last lines of {log}:\n" + "\n".join(tail(log))
             )
+
+    def _raise_internal(self) -> None:
+        rank = min(self.internal)
+        what = "worker" if self.is_worker(rank) else f"server {rank - self.num_workers}"
+        log = self.run_dir / "logs" / f"rank{rank}.log"
+        raise InternalFailure(
+            f"the parameter server run stopped: {what} (rank {rank}) hit a bug in scaletrain "
+            f"and ended the job at once rather than leave the others waiting. Last lines of "
+            f"{log}:\n" + "\n".join(tail(log))
+        )
 
 
 def recoveries(fleet: PSFleet) -> list[dict[str, Any]]:

@@ -47,8 +47,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from scaletrain.fault.internal import guarded
 from scaletrain.schedule import scale_lr
 from scaletrain.strategies.param_server import transport as tp
 
@@ -58,10 +60,19 @@ SYNC, STATE, FORWARD, ACK = 1, 2, 3, 4
 # The incarnation of a slice served by its backup's process after its primary was lost for
 # good: above any restart's attempt.
 PROMOTED = 1000
+# A replication thread whose connection to the job's store fails ends (the server's own
+# calls fail the same way); any other error in it is a bug, which ends the process.
+STORE_LOST = (tp.LinkError, dist.DistError)
 
 
 def backup_of(k: int, num_servers: int) -> int:
+    """The server holding the backup of slice ``k``."""
     return (k + 1) % num_servers
+
+
+def backed_up_by(k: int, num_servers: int) -> int:
+    """The slice whose backup server ``k`` holds (``backup_of``'s inverse)."""
+    return (k - 1) % num_servers
 
 
 def primary_key(k: int) -> str:
@@ -209,7 +220,7 @@ class Primary:
             try:
                 link.send(_header(SYNC, 1))
                 data = _recv_blob(link, 0)
-            except RuntimeError as e:
+            except tp.LinkError as e:
                 log.warning("slice %d: backup lost while sending it: %s", self.index, e)
                 link.close()
                 continue
@@ -223,7 +234,13 @@ class Primary:
 
     def start(self) -> None:
         """Keep a backup: connect one (now, or when the current one dies) in a thread."""
-        threading.Thread(target=self._keep_backup, daemon=True,
+        body = guarded(
+            self._keep_backup,
+            f"the replication of slice {self.index} (primary)",
+            stop=self.stop,
+            expected=STORE_LOST,
+        )
+        threading.Thread(target=body, daemon=True,
                          name=f"replica-primary{self.index}").start()  # fmt: skip
 
     def applied(self, grad: torch.Tensor, factor: float) -> None:
@@ -277,7 +294,7 @@ class Primary:
                     if not asked:
                         link.send(_header(SYNC, 0))
                     _send_blob(link, to_bytes(self.full_state()), 0)
-                except RuntimeError as e:
+                except tp.LinkError as e:
                     log.warning("slice %d: backup lost during its copy: %s", self.index, e)
                     link.close()
                     continue
@@ -307,7 +324,7 @@ class Primary:
                                server_side=True, timeout_s=self.timeout_s, peer=peer)  # fmt: skip
                 self.linked = value
                 return link
-            except RuntimeError as e:
+            except tp.LinkError as e:
                 log.warning("slice %d: no link to backup attempt %s: %s", self.index, value, e)
         return None
 
@@ -323,7 +340,7 @@ class Backup:
         build_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         stop: threading.Event, on_promote: Callable[[dict[str, Any]], None],
     ) -> None:  # fmt: skip
-        self.slice = (index - 1) % num_servers  # whose backup this is
+        self.slice = backed_up_by(index, num_servers)  # whose backup this is
         self.on_promote = on_promote
         self.primary_rank = num_workers + self.slice
         self.attempt, self.store, self.new_store = attempt, store, new_store
@@ -335,7 +352,12 @@ class Backup:
         store.set(backup_key(self.slice), str(attempt))
 
     def start(self) -> None:
-        threading.Thread(target=self._run, daemon=True,
+        # A link error is a lost primary (the next one is waited for); anything else in
+        # this thread is a bug, which ends the process (and the job) at once.
+        body = guarded(
+            self._run, f"the backup of slice {self.slice}", stop=self.stop, expected=STORE_LOST
+        )
+        threading.Thread(target=body, daemon=True,
                          name=f"replica-backup{self.slice}").start()  # fmt: skip
 
     def _run(self) -> None:
@@ -358,12 +380,12 @@ class Backup:
             try:
                 link = tp.Link(self.new_store(), link_prefix(self.slice, int(value), self.attempt),
                                server_side=False, timeout_s=self.timeout_s, peer=peer)  # fmt: skip
-            except RuntimeError as e:
+            except tp.LinkError as e:
                 log.warning("slice %d: no link to primary attempt %s: %s", self.slice, value, e)
                 continue
             try:
                 self._serve(link)
-            except RuntimeError as e:
+            except tp.LinkError as e:
                 if not self.stop.is_set():
                     log.info("slice %d: primary attempt %s gone: %s", self.slice, value,
                              str(e).splitlines()[0][:160])  # fmt: skip
@@ -410,6 +432,10 @@ class Backup:
                 "book": self.book.encode()}  # fmt: skip
 
     def load(self, state: dict[str, Any]) -> None:
+        if state["param"].shape != self.param.shape:
+            raise RuntimeError(f"slice {self.slice}: the primary's copy has shape "
+                               f"{tuple(state['param'].shape)}, this backup's "
+                               f"{tuple(self.param.shape)}")  # fmt: skip
         self.param.data.copy_(state["param"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.book = Applied.decode(state["book"])

@@ -135,7 +135,8 @@ class ShardServer:
         self.new_store = new_store
         self.token = token  # workers prove they hold it to join (admission.py)
         flat = flat_params(model)
-        lo, hi = rules.shard_ranges(flat.numel(), cfg.ps.num_servers)[index]
+        ranges = rules.shard_ranges(flat.numel(), cfg.ps.num_servers)
+        lo, hi = ranges[index]
         self.param = nn.Parameter(flat[lo:hi].clone())
         self.optimizer = build_optimizer([self.param])
         self.mode = cfg.ps.consistency
@@ -204,7 +205,10 @@ class ShardServer:
                       "num_workers": num_workers, "attempt": attempt, "store": store,
                       "new_store": new_store, "timeout_s": cfg.launch.timeout_s,
                       "stop": self.stop}  # fmt: skip
-            self.backup = replica.Backup(**common, param=self.param,
+            # The backup holds the previous server's slice, which may be one element
+            # shorter or longer than this one (the count need not divide).
+            blo, bhi = ranges[replica.backed_up_by(index, cfg.ps.num_servers)]
+            self.backup = replica.Backup(**common, param=flat[blo:bhi],
                                          build_optimizer=build_optimizer,
                                          on_promote=self._promote)  # fmt: skip
             self.backup.start()

@@ -66,7 +66,13 @@ def death_key(rank: int, attempt: int) -> str:
     return f"ps/dead/{rank}.{attempt}"
 
 
-class PeerDied(RuntimeError):
+class LinkError(RuntimeError):
+    """An op on a link failed: the peer is gone, the connection broke or timed out. What
+    else fails near a link (decoding what came, applying it) is not one: a caller that
+    survives a lost peer must not survive its own bugs the same way."""
+
+
+class PeerDied(LinkError):
     """The link's peer process is dead (the launcher said so) while an op on it was pending."""
 
 
@@ -167,7 +173,10 @@ class Link:
         of the link existed, held that worker here for the whole link timeout, and with it
         the lease it held (32 workers, a server killed at its 10th update: 600 s)."""
         if self.peer_key is None:
-            return dist.ProcessGroupGloo(store, self.rank, 2, opts)
+            try:
+                return dist.ProcessGroupGloo(store, self.rank, 2, opts)
+            except RuntimeError as e:
+                raise LinkError(str(e)) from e
         made: dict[str, Any] = {}
 
         def connect() -> None:
@@ -190,7 +199,10 @@ class Link:
                 self.broken = f"the peer process died ({cause}) before the link was made"
                 raise PeerDied(self.broken)
         if "error" in made:
-            raise made["error"]
+            error = made["error"]
+            if isinstance(error, RuntimeError):
+                raise LinkError(str(error)) from error
+            raise error
         return made["pg"]
 
     # A message's tensors go with tags 0 (the header), 1 (the payload), 2 (server 0's lease),
@@ -198,12 +210,18 @@ class Link:
     def isend(self, *tensors: torch.Tensor, first_tag: int = 0) -> list[dist.Work]:
         self._check()
         send = self.pg.send  # type: ignore[attr-defined]  # the C++ group's own send
-        return [send([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
+        try:
+            return [send([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
+        except RuntimeError as e:
+            raise LinkError(str(e)) from e
 
     def irecv(self, *tensors: torch.Tensor, first_tag: int = 0) -> list[dist.Work]:
         self._check()
         recv = self.pg.recv  # type: ignore[attr-defined]
-        return [recv([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
+        try:
+            return [recv([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
+        except RuntimeError as e:
+            raise LinkError(str(e)) from e
 
     def send(self, *tensors: torch.Tensor, first_tag: int = 0) -> None:
         self.wait(self.isend(*tensors, first_tag=first_tag))
@@ -215,8 +233,11 @@ class Link:
         """Until every op in ``works`` is done; raises as the op does, or PeerDied once the
         launcher has said the peer is dead."""
         if self.peer_key is None:
-            for work in works:
-                work.wait()
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as e:
+                raise LinkError(str(e)) from e
             return
         if self._jobs is None:
             self._jobs = queue.SimpleQueue()
@@ -229,6 +250,8 @@ class Link:
                 cause = self.store.get(self.peer_key).decode()
                 self.broken = f"the peer process died ({cause}) with an operation pending"
                 raise PeerDied(self.broken)
+        if isinstance(job.error, RuntimeError):
+            raise LinkError(str(job.error)) from job.error
         if job.error is not None:
             raise job.error
 
