@@ -12,6 +12,7 @@ job as a failure, exit 1, with no checkpoint of its last step)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ import pytest
 
 from scaletrain.fault.preempt import PREEMPTED_EXIT_CODE
 from scaletrain.io import read_jsonl
-from tests.conftest import assert_no_orphans, run_cli
+from tests.conftest import assert_no_orphans, run_cli, stress_only
 from tests.dist.test_jobs import start
 
 # 2 workers x 16 of 320 digits: 10 steps an epoch, 20 in all; a checkpoint every 5 steps, an
@@ -115,3 +116,44 @@ def test_a_signal_at_any_moment_exits_3_or_0_and_the_job_ends_the_same(
     summary = json.loads((out / "summary.json").read_text())
     assert summary["params_sha256"] == uninterrupted["params_sha256"], moment
     assert summary["steps"] == TOTAL_STEPS
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["restart", pytest.param("ps", marks=stress_only), pytest.param("inplace", marks=stress_only)],
+)
+def test_signals_from_the_final_line_until_the_process_is_gone_change_nothing(tmp_path, mode):
+    """The last instants: once ``run directory:`` is printed, SIGTERM and SIGUSR1 by turns,
+    every millisecond until the launcher is gone. The job is complete: exit 0. (Python's
+    finalization put SIGTERM's default action back, and a signal then killed it: 143.)"""
+    import threading
+
+    out = tmp_path / "run"
+    extra = {"restart": [], "ps": ["--strategy", "ps", "--nproc-per-node", "3"],
+             "inplace": ["--recovery", "inplace"]}[mode]  # fmt: skip
+    proc = start(*JOB, *extra, "--out", str(out))
+    final = threading.Event()
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("run directory:"):
+                final.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert final.wait(180), ("no final line", proc.poll(), lines[-5:])
+    sent = 0
+    while proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, (signal.SIGTERM, signal.SIGUSR1)[sent % 2])
+            sent += 1
+        time.sleep(0.001)
+    _, stderr = proc.communicate(timeout=60)
+    reader.join(10)
+    assert proc.returncode == 0, (proc.returncode, sent, stderr[-2000:])
+    assert sent > 0 and "Traceback" not in stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == TOTAL_STEPS
+    assert_no_orphans(out)

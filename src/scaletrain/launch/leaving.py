@@ -13,6 +13,7 @@ process: the thread stays behind, parked in its call.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 
@@ -30,7 +31,18 @@ def any_stuck() -> bool:
 
 def leave(code: int) -> int:
     """The command line's exit: ``code``, past interpreter finalization if a marked thread
-    is still inside its call; otherwise returns ``code`` for sys.exit."""
+    is still inside its call; otherwise returns ``code`` for sys.exit.
+
+    The exit status is decided here, so from now on a preemption signal is ignored: it can
+    change nothing (launch/signals.py), and Python's finalization puts the default action
+    back for every signal that has a Python handler, so a SIGTERM in the last milliseconds of
+    a finished job killed it (143) where the promise is 0 or 3. SIG_IGN is not a Python
+    handler: finalization leaves it, and it holds for every thread."""
+    from scaletrain.launch.signals import GUARD, PREEMPT_SIGNALS
+
+    if GUARD.installed:  # `run` and `demo`: the commands that answer preemption
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     if any_stuck():
         sys.stdout.flush()
         sys.stderr.flush()
