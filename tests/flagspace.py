@@ -43,12 +43,13 @@ def draw(rng: random.Random, *, trainable: bool = False) -> dict[str, Any]:
     elif rng.random() < 0.03:
         d["replica_size"] = 2  # refused: replica groups are fsdp's
     if strategy == "ps":
-        d["num_servers"] = rng.randint(1, 2)
+        # 1 to 8 servers: most counts do not divide the parameters (slices of two lengths).
+        d["num_servers"] = rng.choice((1, 2, 2, 3, 3, 4, 5, 6, 7, 8))
         d["nproc_per_node"] = d["num_servers"] + rng.randint(1, 3)
         d["consistency"] = rng.choice(("bsp", "asp", "ssp"))
         if d["consistency"] == "ssp":
             d["staleness"] = rng.randint(0, 2)
-        if rng.random() < 0.3:
+        if rng.random() < 0.5:
             d["ps_replicas"] = 1  # refused with one server: the backup is another server
     elif rng.random() < 0.02:
         d["ps_replicas"] = 1  # refused: no parameter server to back up
