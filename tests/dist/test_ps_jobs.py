@@ -127,6 +127,17 @@ def test_a_bsp_parameter_server_job_killed_whole_continues_from_its_last_common_
     assert_no_orphans(out)
 
 
+def cuts_on_disk(directory) -> dict[tuple[int, ...], dict]:
+    """Each intact checkpoint of a cut in a server's directory: its name -> the workers'
+    last pushes it applied."""
+    found = {}
+    for entry in read_index(directory):
+        state, _ = load_latest(directory, below=entry["step"] + 1)
+        if state is not None and state["version"] == entry["step"] and state.get("cut"):
+            found[tuple(state["cut"])] = state["clocks"]
+    return found
+
+
 @pytest.mark.parametrize("consistency", ["asp", pytest.param("ssp", marks=stress_only)])
 def test_an_asynchronous_parameter_server_job_killed_whole_continues_from_its_last_cut(
     tmp_path, consistency
@@ -156,6 +167,12 @@ def test_an_asynchronous_parameter_server_job_killed_whole_continues_from_its_la
               for k in (0, 1)]  # fmt: skip
     assert copies[0]["clocks"] == copies[1]["clocks"] and copies[0]["clocks"]
     assert cut[0] == cut[1] and copies[0]["cut"] == copies[1]["cut"]
+    # Every cut on disk, not only the newest: its copies hold the same pushes.
+    every = [cuts_on_disk(out / "checkpoints" / f"server{k}") for k in (0, 1)]
+    both = set(every[0]) & set(every[1])
+    assert both, every
+    for name in both:
+        assert every[0][name] == every[1][name], (name, every[0][name], every[1][name])
     events = read_jsonl(out / "logs" / "ps_events.jsonl")
     taken = [e for e in events if e["event"] == "cut"]
     assert taken and all(e["paused_s"] < 30 for e in taken)

@@ -36,6 +36,11 @@ REPLICATED = [*PS, "--ps-replicas", "1", "--max-restarts", "3"]
 KILLS = "kill:rank=3:step=5,kill:rank=4:step=14,kill:rank=3:step=24"
 
 
+def resent(summary) -> int:
+    """Pushes sent again to a restarted server that its slice held already (all servers)."""
+    return sum(r["resent_already_applied"] for r in summary["ps"]["replication"] if r)
+
+
 def server_restores(summary):
     return [(r["server"], r["restored_from"]) for r in summary["recoveries"]
             if r["kind"] == "ps-server"]  # fmt: skip
@@ -50,13 +55,22 @@ def test_bsp_through_kills_of_primaries_and_backups_ends_bitwise_as_without_them
            "--lr", "0.05", *JOB]  # fmt: skip
     runs = {}
     lost = ["--inject", "kill:rank=3:step=14", "--max-restarts", "0"]
-    for name, extra in [("steady", []), ("killed", ["--inject", KILLS]), ("lost", lost)]:
+    acked = ["--inject", "kill-before-reply:rank=4:step=6"]
+    for name, extra in [("steady", []), ("killed", ["--inject", KILLS]), ("lost", lost),
+                        ("acked", acked)]:  # fmt: skip
         out = tmp_path / name
         result = run_cli("run", *job, *extra, "--log-sample-ids", "--out", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = load_run(out)
         assert_no_orphans(out)
     (steady, _), (killed, records), (taken, _) = runs["steady"], runs["killed"], runs["lost"]
+    # Server 1 died with step 6 on its backup and unanswered: every worker sent its push of
+    # step 6 again, and the restored server applied none of them twice.
+    acked = runs["acked"][0]
+    assert server_restores(acked) == [(1, "backup")], acked["recoveries"]
+    assert resent(acked) >= 1, acked["ps"]["replication"]
+    assert acked["params_sha256"] == steady["params_sha256"]
+    assert acked["ps"]["server_updates"] == steady["ps"]["server_updates"]
     [death] = taken["recoveries"]
     assert (death["server"], death["restarted"], death["taken_over_by"]) == (0, False, 4)
     assert taken["params_sha256"] == steady["params_sha256"]
@@ -68,6 +82,24 @@ def test_bsp_through_kills_of_primaries_and_backups_ends_bitwise_as_without_them
     assert_ledger_once(tmp_path / "killed", 2)
     # The restarted server applied its next update within seconds, not --timeout-s.
     assert all(r["next_update_s"] < 10 for r in killed["recoveries"]), killed["recoveries"]
+
+
+def test_asp_a_push_acknowledged_by_the_backup_but_not_answered_is_applied_once(tmp_path):
+    """asp: server 0 dies after its backup holds update 6 and before the reply; the worker
+    sends that push again, and the restored server counts it as held, not applied again:
+    each slice applied exactly the pushes the workers recorded."""
+    out = tmp_path / "run"
+    result = run_cli("run", *REPLICATED, "--consistency", "asp", "--epochs", "1", *JOB,
+                     "--inject", "kill-before-reply:rank=3:step=6", "--log-sample-ids",
+                     "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary, records = load_run(out)
+    assert server_restores(summary) == [(0, "backup")], summary["recoveries"]
+    assert resent(summary) == 1, summary["ps"]["replication"]
+    assert summary["ps"]["server_updates"] == [len(records)] * 2, summary["ps"]
+    assert_exactly_once(records, 1)
+    assert_ledger_once(out, 1)
+    assert_no_orphans(out)
 
 
 @pytest.mark.parametrize("consistency", ["asp", pytest.param("ssp", marks=stress_only)])

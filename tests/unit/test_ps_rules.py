@@ -203,3 +203,29 @@ def test_a_cut_holds_each_workers_newest_push_and_a_server_has_it_once_applied()
     assert cuts.reached(held, {0, 1, 2}, sessions, {0: 5, 1: 7, 2: 3})
     assert cuts.reached(held, {0, 2}, sessions, {0: 5, 2: 3})  # worker 1 died meanwhile
     assert cuts.reached(held, {0, 1, 2}, {0: 0, 1: 1, 2: 1}, {0: 5, 1: 0, 2: 3})  # restarted
+
+
+def test_copies_of_a_cut_that_differ_are_not_continued_from(tmp_path, caplog):
+    """Two servers' checkpoints named for the same cut are one moment only if they hold the
+    same pushes: cut 2's copies differ in worker 1's last push (a copy taken before that
+    push arrived), so the job continues from cut 1, and the warning names them. A worker
+    that had left one server before its copy (worker 2 at cut 1) is no disagreement."""
+    import logging
+
+    from scaletrain.fault.checkpoint import save_checkpoint
+    from scaletrain.strategies.param_server.cuts import consistent_checkpoint
+
+    copies = {  # server -> [(version, cut, clocks)]
+        0: [(8, [0, 1], {0: 4, 1: 4, 2: 3}), (16, [0, 2], {0: 8, 1: 9})],
+        1: [(8, [0, 1], {0: 4, 1: 4}), (17, [0, 2], {0: 8, 1: 8})],
+    }
+    for k, saved in copies.items():
+        for version, cut, clocks in saved:
+            state = {"version": version, "released_step": 0, "cut": cut, "clocks": clocks}
+            save_checkpoint(tmp_path / "checkpoints" / f"server{k}", version, state, keep=5)
+    with caplog.at_level(logging.WARNING, logger="scaletrain.ps.cuts"):
+        assert consistent_checkpoint(tmp_path, 2, "asp") == [8, 8]
+    assert "copies of cut [0, 2] differ" in caplog.text
+    assert "worker 1's last push applied: 9 on server 0, 8 on server 1" in caplog.text
+    # bsp names its moments by the global step: clocks are not what makes them one.
+    assert consistent_checkpoint(tmp_path, 2, "bsp") == [16, 17]

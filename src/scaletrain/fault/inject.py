@@ -4,6 +4,10 @@ Specs are ``KIND:key=value:...``, several separated by commas. Kinds live in a r
 strategies:
 
 - ``kill:rank=R:step=S``: SIGKILL rank R just before global step S, as when a machine dies.
+- ``kill-before-reply:rank=R:step=S``: under --strategy ps with --ps-replicas 1, SIGKILL
+  server rank R once its backup acknowledged its S-th update (or the first forwarded one
+  after it) and before the reply that tells a worker of it: the push must be sent again and
+  applied once. It fires nowhere else.
 - ``killnode:rank=R:step=S``: SIGKILL rank R's elastic agent, then the rank (a node is gone).
 - ``hang:rank=R:step=S``: rank R stops before step S, alive and silent, never reaching the
   step's collective (a deadlock, a stuck file system); the watchdog must notice.
@@ -68,6 +72,11 @@ class Fault:
         """Seconds this fault added to the step."""
         return 0.0
 
+    def before_reply(self, version: int, rank: int, attempt: int) -> None:
+        """A parameter server with a backup (--ps-replicas 1), once the backup acknowledged
+        every update up to ``version`` and before the reply that tells a worker of it."""
+        return None
+
     def after_checkpoint(self, step: int, path: Path, attempt: int) -> None:
         """Rank 0, once checkpoint ``path`` of ``step`` is written."""
         return None
@@ -115,6 +124,24 @@ class Hang(Kill):
 
 
 @dataclass(frozen=True)
+class KillBeforeReply(Kill):
+    """Server rank R dies after its backup acknowledged update S (or the first forwarded
+    update after it) and before its reply: the worker hears nothing of a push both copies of
+    the slice hold, and sends it again to the restarted server, which must apply it once."""
+
+    def before_step(self, step: int, rank: int, attempt: int) -> None:
+        return None
+
+    def before_reply(self, version: int, rank: int, attempt: int) -> None:
+        if (
+            rank == self.rank
+            and version >= self.step
+            and first_time("kill-before-reply", rank, self.step, attempt)
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
 class Slow(Fault):
     rank: int
     factor: float
@@ -158,6 +185,7 @@ def _flip_middle(path: Path) -> None:
 
 INJECTORS: dict[str, type[Fault]] = {
     "kill": Kill,
+    "kill-before-reply": KillBeforeReply,
     "killnode": KillNode,
     "hang": Hang,
     "slow": Slow,

@@ -35,6 +35,7 @@ once every worker has left.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from scaletrain.fault.checkpoint import load_latest, read_index
 COUNT = "ps/cut/count"  # store.add: the next cut's n
 LATEST = "ps/cut/latest"  # the n of the last cut begun
 PREEMPT = "ps/cut/preempt"  # the n of the preemption's cut
+
+log = logging.getLogger("scaletrain.ps.cuts")
 
 
 def applied(n: int, server: int) -> str:
@@ -99,23 +102,40 @@ def moment(state: dict[str, Any], mode: str) -> tuple[int, ...] | None:
     return tuple(int(c) for c in cut) if cut else None
 
 
+def disagreement(clocks: list[dict[Any, int]]) -> str | None:
+    """asp, ssp: how the copies of one cut differ in the pushes they applied (each worker
+    live on two servers at their copies must have the same last push on both), or None.
+    A worker missing from a copy had left that server, which is no disagreement."""
+    for worker in sorted(set().union(*clocks), key=str):
+        held = {k: c[worker] for k, c in enumerate(clocks) if worker in c}
+        if len(set(held.values())) > 1:
+            return f"worker {worker}'s last push applied: " + ", ".join(
+                f"{c} on server {k}" for k, c in held.items()
+            )
+    return None
+
+
 def consistent_checkpoint(run_dir: Path, num_servers: int, mode: str) -> list[int] | None:
     """Each server's version (its checkpoint's number) of the newest moment every server
-    checkpointed intact (files read whole and checksummed), or None."""
-    found: list[dict[tuple[int, ...], int]] = []
+    checkpointed intact (files read whole and checksummed) and alike, or None. Under asp and
+    ssp the copies of a cut must hold the same pushes (``disagreement``); a cut whose copies
+    differ is passed over with a warning that names them."""
+    found: list[dict[tuple[int, ...], tuple[int, dict[Any, int]]]] = []
     for k in range(num_servers):
         directory = run_dir / "checkpoints" / f"server{k}"
-        moments: dict[tuple[int, ...], int] = {}
+        moments: dict[tuple[int, ...], tuple[int, dict[Any, int]]] = {}
         for entry in read_index(directory):
             state, _ = load_latest(directory, below=entry["step"] + 1)
             if state is None or state["version"] != entry["step"]:
                 continue  # damaged: the one below it was loaded instead
             key = moment(state, mode)
-            if key is not None:
-                moments[key] = max(moments.get(key, -1), int(state["version"]))
+            if key is not None and int(state["version"]) > moments.get(key, (-1, {}))[0]:
+                moments[key] = (int(state["version"]), dict(state.get("clocks") or {}))
         found.append(moments)
     common = set.intersection(*(set(m) for m in found)) if found else set()
-    if not common:
-        return None
-    newest = max(common)
-    return [m[newest] for m in found]
+    for newest in sorted(common, reverse=True):
+        differ = disagreement([m[newest][1] for m in found]) if mode != "bsp" else None
+        if differ is None:
+            return [m[newest][0] for m in found]
+        log.warning("the copies of cut %s differ (%s): not continued from", list(newest), differ)
+    return None

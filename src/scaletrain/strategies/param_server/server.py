@@ -306,6 +306,9 @@ class ShardServer:
                 for line in book.ledger:
                     self.ledger.write(line)
             self.unlogged = []
+            if self.primary.link is not None:  # the backup holds every update so far
+                for fault in self.faults:
+                    fault.before_reply(self.version, self.rank, self.attempt)
 
     def _restore_replica(self, state: dict[str, Any]) -> None:
         """A restarted server: go on from its backup's copy, every acknowledged push in it."""
