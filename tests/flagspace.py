@@ -15,6 +15,102 @@ from typing import Any
 STRATEGIES = ("ddp", "fsdp", "local_sgd", "diloco", "pipeline", "tensor", "ps")
 COMPRESSIONS = ("fp16", "bf16", "powersgd:rank=2", "topk:ratio=0.1", "sign")
 
+# Every configuration key the fuzzer sets: each value its help documents, with what it needs
+# beside it to mean something (a strategy, a world size). tests/unit/test_flag_space.py
+# checks each alone in every mode that supports it (a wrong refusal fails), and that every
+# key of RunConfig is here or in FIXED.
+PIPELINE = {"strategy": "pipeline", "nproc_per_node": 2}
+PS2 = {"strategy": "ps", "nproc_per_node": 4, "num_servers": 2}
+DOCUMENTED: dict[str, list[tuple[Any, dict[str, Any]]]] = {
+    "activation_checkpointing": [(True, {"model": "transformer"})],
+    "balance": [("none", {}), ("speed", {})],
+    "balance_every": [(2, {"balance": "speed"})],
+    "barrier_timeout_s": [(5.0, {"strategy": "ps", "nproc_per_node": 3})],
+    "batch_size": [(1, {}), (8, {})],
+    "bucket_mb": [(1.0, {})],
+    "checkpoint_async": [(True, {"checkpoint_every": "2"})],
+    "checkpoint_every": [("0", {}), ("3", {}), ("auto", {"mtbf_s": 60.0})],
+    "clip_grad_norm": [(1.0, {})],
+    "compile": [(True, {})],
+    "compression": [("none", {}), *((c, {}) for c in COMPRESSIONS)],
+    "consistency": [(c, {"strategy": "ps", "nproc_per_node": 3}) for c in ("bsp", "asp")]
+    + [("ssp", {"strategy": "ps", "nproc_per_node": 3, "staleness": 1})],
+    "dataset": [("digits", {}), ("synthetic", {"image_size": 8})],
+    "deterministic": [(True, {})],
+    "device": [("auto", {}), ("cpu", {})],
+    "drop_last": [(True, {})],
+    "epochs": [(2, {})],
+    "eval_every": [(3, {})],
+    "grad_accum": [(2, {})],
+    "hang_timeout_s": [(30.0, {})],
+    "image_size": [(8, {"dataset": "synthetic"})],
+    "inject": [("kill:rank=1:step=3", {"max_restarts": 1}), ("slow:rank=1:factor=2", {}),
+               ("hang:rank=1:step=3", {"max_restarts": 1}),
+               ("killnode:rank=1:step=3", {"max_restarts": 1}),
+               ("corrupt-checkpoint:step=3", {"checkpoint_every": "2", "max_restarts": 1}),
+               ("kill-before-reply:rank=3:step=2", {**PS2, "ps_replicas": 1})],
+    "keep_checkpoints": [(1, {"checkpoint_every": "2"})],
+    "log_sample_ids": [(True, {})],
+    "lr": [(0.01, {})],
+    "lr_schedule": [(v, {}) for v in ("constant", "cosine", "linear", "step")],
+    "max_memory_per_rank": [(10**10, {})],
+    "max_restarts": [(2, {})],
+    "max_steps": [(5, {})],
+    "microbatches": [(2, PIPELINE)],
+    "model": [(m, {}) for m in ("cnn", "mlp", "transformer")],
+    "momentum": [(0.0, {}), (0.5, {})],
+    "mtbf_s": [(60.0, {"checkpoint_every": "auto"})],
+    "nnodes": [("1", {}), ("1:2", {"rdzv_endpoint": "127.0.0.1:29400"})],
+    "nproc_per_node": [(1, {}), (3, {})],
+    "num_samples": [(64, {})],
+    "num_servers": [(2, {"strategy": "ps", "nproc_per_node": 4})],
+    "num_threads": [(1, {})],
+    "optimizer": [(o, {}) for o in ("sgd", "adam", "adamw")],
+    "outer_lr": [(0.5, {"strategy": "diloco"})],
+    "outer_momentum": [(0.0, {"strategy": "diloco"})],
+    "precision": [(v, {}) for v in ("32", "bf16-mixed", "fp16-mixed")],
+    "preempt_check_every": [(3, {})],
+    "ps_replicas": [(0, {}), (1, PS2)],
+    "rdzv_keep_alive_s": [(3, {})],
+    "rdzv_last_call_s": [(5, {})],
+    "recovery": [("restart", {}), ("inplace", {})],
+    "replica_size": [(1, {"strategy": "fsdp", "nproc_per_node": 2})],
+    "schedule": [(v, PIPELINE) for v in ("gpipe", "1f1b")],
+    "seed": [(7, {})],
+    "split_points": [("3", {**PIPELINE, "model": "cnn"})],
+    "stages": [(2, PIPELINE)],
+    "staleness": [(1, {"strategy": "ps", "nproc_per_node": 3, "consistency": "ssp"})],
+    "staleness_rule": [(v, {"strategy": "ps", "nproc_per_node": 3, "consistency": "asp"})
+                       for v in ("inverse", "share", "none")],
+    "strategy": [(v, {}) for v in STRATEGIES if v != "ps"] + [("ps", {"nproc_per_node": 3})],
+    "sync_every": [(2, {"strategy": "local_sgd"})],
+    "task": [("examples/tabular_task.py:build_task", {})],
+    "timeout_s": [(60.0, {})],
+    "tp": [(2, {"strategy": "tensor", "nproc_per_node": 2, "model": "transformer"})],
+    "warmup_steps": [(2, {})],
+    "weight_decay": [(0.01, {})],
+    "width": [(16, {})],
+}  # fmt: skip
+# Keys the fuzzer never sets, and why.
+FIXED = {
+    "out": "each run gets a directory of its own",
+    "data_dir": "names shards on disk that `scaletrain shard` wrote (tests/unit/test_shards.py)",
+    "verify": "checks the shards of --data-dir (tests/unit/test_shards.py)",
+    "join_token_file": "names a secret file (tests/dist/test_ps_server.py)",
+    "node_rank": "multi-node wiring: the netns lab's tests (tests/e2e/test_netns.py)",
+    "rdzv_endpoint": "multi-node wiring: the netns lab's tests",
+    "rdzv_id": "multi-node wiring: the netns lab's tests",
+    "local_addr": "multi-node wiring: the netns lab's tests",
+    "bind": "multi-node wiring: the netns lab's tests (tests/unit/test_rendezvous.py)",
+}
+# Keys a trained draw leaves alone: sized by size_to_train, or what would make a correct run
+# fail or wait (a fault without restarts, an elastic rendezvous's last call, a cap).
+UNTRAINED = {"inject", "nnodes", "max_memory_per_rank", "timeout_s", "hang_timeout_s",
+             "num_threads", "device", "task", "epochs", "batch_size", "num_samples",
+             "max_steps", "lr", "optimizer", "momentum", "weight_decay", "outer_lr",
+             "outer_momentum", "strategy", "model", "dataset", "image_size", "nproc_per_node",
+             "num_servers", "rdzv_last_call_s", "recovery", "tp"}  # fmt: skip
+
 
 def _maybe(rng: random.Random, p: float, value: Any, default: Any) -> Any:
     return value if rng.random() < p else default
@@ -76,6 +172,7 @@ def draw(rng: random.Random, *, trainable: bool = False) -> dict[str, Any]:
         "max_steps": _maybe(rng, 0.25, rng.randint(2, 12), None),
     }
     d |= {k: v for k, v in extras.items() if v is not None}
+    _draw_the_rest(rng, d, trainable)
     if d.get("checkpoint_every") == "auto":
         d["mtbf_s"] = 60.0
     if d.get("balance") == "speed":
@@ -85,6 +182,20 @@ def draw(rng: random.Random, *, trainable: bool = False) -> dict[str, Any]:
     else:
         d["num_samples"] = rng.choice((0, 64, 100))
     return d
+
+
+def _draw_the_rest(rng: random.Random, d: dict[str, Any], trainable: bool) -> None:
+    """Now and then, any other documented key, with what it needs, where that agrees with
+    the draw so far (a key that needs another strategy is left out)."""
+    for key in sorted(DOCUMENTED):
+        if key in d or (trainable and key in UNTRAINED) or rng.random() >= 0.04:
+            continue
+        value, needs = rng.choice(DOCUMENTED[key])
+        if any(d.get(k, v) != v for k, v in needs.items() if k in ("strategy", "model")):
+            continue
+        d[key] = value
+        for k, v in needs.items():
+            d.setdefault(k, v)
 
 
 def data_parallel_width(d: dict[str, Any]) -> int:
