@@ -55,13 +55,14 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
-def failed_tests(report: Path) -> tuple[list[str], list[str]]:
-    """(tests that failed, collection errors) in a junit report."""
+def failed_tests(report: Path) -> tuple[list[str], list[str], int]:
+    """(tests that failed, collection errors, tests that ran) in a junit report."""
     if not report.exists():
-        return [], ["no report written"]
-    failed, errors = [], []
+        return [], ["no report written"], 0
+    failed, errors, ran = [], [], 0
     for case in ET.parse(report).iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
+        ran += case.find("skipped") is None
         if case.find("failure") is not None:
             failed.append(name)
         elif case.find("error") is not None:
@@ -71,7 +72,7 @@ def failed_tests(report: Path) -> tuple[list[str], list[str]]:
     for suite in ET.parse(report).iter("testsuite"):
         if int(suite.get("errors", 0)) and not failed:
             errors.append(f"{suite.get('errors')} error(s) outside any test")
-    return failed, errors
+    return failed, errors, ran
 
 
 def run_one(mutation: Mutation, scratch: Path) -> dict:
@@ -100,10 +101,12 @@ def run_one(mutation: Mutation, scratch: Path) -> dict:
         code, tail = -1, f"no verdict within {TIMEOUT_S} s"
     finally:
         path.write_text(original)
-    failed, errors = failed_tests(report)
+    failed, errors, ran = failed_tests(report)
     outcome["seconds"] = round(time.monotonic() - began, 1)
     if code == 1 and failed:
         outcome |= {"verdict": "caught", "by": failed[0]}
+    elif not ran:  # skipped (make stress only) or not found: no test of make test names it
+        outcome |= {"verdict": "error", "why": "none of its tests ran in make test"}
     elif code == 0:
         outcome |= {"verdict": "survived", "why": "every test passed with the mutation"}
     else:

@@ -76,6 +76,9 @@ def test_bsp_through_kills_of_primaries_and_backups_ends_bitwise_as_without_them
     assert taken["params_sha256"] == steady["params_sha256"]
     assert server_restores(killed) == [(0, "backup"), (1, "backup"), (0, "backup")], killed
     assert killed["params_sha256"] == steady["params_sha256"]
+    # Every restore came from a backup: nothing a worker had seen acknowledged was lost.
+    assert all(r["lost_acknowledged_updates"] == 0 for r in killed["recoveries"])
+    assert killed["ps"]["lost_acknowledged_updates"] == 0
     assert killed["ps"]["server_updates"] == steady["ps"]["server_updates"] == [
         steady["steps"]] * 2  # fmt: skip
     assert_exactly_once(records, 2)
@@ -96,9 +99,36 @@ def test_asp_a_push_acknowledged_by_the_backup_but_not_answered_is_applied_once(
     summary, records = load_run(out)
     assert server_restores(summary) == [(0, "backup")], summary["recoveries"]
     assert resent(summary) == 1, summary["ps"]["replication"]
+    assert summary["ps"]["lost_acknowledged_updates"] == 0
     assert summary["ps"]["server_updates"] == [len(records)] * 2, summary["ps"]
     assert_exactly_once(records, 1)
     assert_ledger_once(out, 1)
+    assert_no_orphans(out)
+
+
+def test_a_primary_lost_while_its_restarted_backup_copies_is_counted_and_warned(tmp_path):
+    """The window a backup cannot cover. Three servers (ranks 3-5; server k's slice backed
+    up on server k+1): server 2 dies at its 8th update and comes back from its backup on
+    server 0; server 1, which acknowledged alone meanwhile (its backup was server 2), dies
+    as it begins to copy its slice to the restarted server 2. Server 1's slice comes back
+    from its checkpoint (none: from the start), so updates its workers had seen are gone:
+    the run goes on, and says how many, in a warning and in summary.json, never silently."""
+    out = tmp_path / "run"
+    result = run_cli("run", "--strategy", "ps", "--nproc-per-node", "6", "--num-servers", "3",
+                     "--ps-replicas", "1", "--max-restarts", "3", "--consistency", "asp",
+                     "--epochs", "1", *JOB, "--out", str(out),
+                     "--inject", "kill:rank=5:step=8,kill-during-copy:rank=4:step=8")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary, _ = load_run(out)
+    by_server = {r["server"]: r for r in summary["recoveries"] if r["kind"] == "ps-server"}
+    assert set(by_server) == {1, 2}, summary["recoveries"]
+    assert by_server[2]["restored_from"] == "backup"
+    assert by_server[2]["lost_acknowledged_updates"] == 0
+    assert by_server[1]["lost_acknowledged_updates"] >= 8, by_server[1]
+    assert summary["ps"]["lost_acknowledged_updates"] == by_server[1]["lost_acknowledged_updates"]
+    log = (out / "logs" / "rank4.log").read_text()
+    assert "acknowledged updates lost, since its backup held no copy" in log
+    assert "acknowledged updates were lost by restarted servers" in result.stderr
     assert_no_orphans(out)
 
 

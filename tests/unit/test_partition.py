@@ -185,3 +185,23 @@ def test_step_count_and_next_bounds_agree_with_the_plan(n, batch, drop_last, con
     sampler.cursor = cursor
     assert len(sampler) == len(bounds)
     assert sampler.next_bounds() == (bounds[0] if bounds else None)
+
+
+def test_balanced_shares_carry_over_only_to_a_world_of_their_size():
+    """--balance speed's shares fit the world that measured them: a state carried to a
+    world of another size plans the rest of the epoch with equal shares, every sample once;
+    a world of the same size keeps them."""
+    two = samplers_for(100, 2, 5, seed=1)
+    trained, _ = run_steps(two, 3)
+    for s in two:
+        s.shares = [3.0, 1.0]
+    state = two[0].state_dict()
+    three = samplers_for(100, 3, 5, seed=1)
+    for s in three:
+        s.load_state_dict(state)
+    assert all(s.shares is None for s in three)
+    rest, _ = run_steps(three)
+    assert sorted(trained + rest) == list(range(100))
+    again = samplers_for(100, 2, 5, seed=1)[0]
+    again.load_state_dict(state)
+    assert again.shares == [3.0, 1.0]

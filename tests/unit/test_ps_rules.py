@@ -229,3 +229,15 @@ def test_copies_of_a_cut_that_differ_are_not_continued_from(tmp_path, caplog):
     assert "worker 1's last push applied: 9 on server 0, 8 on server 1" in caplog.text
     # bsp names its moments by the global step: clocks are not what makes them one.
     assert consistent_checkpoint(tmp_path, 2, "bsp") == [16, 17]
+
+
+def test_each_staleness_rule_scales_a_push_as_documented():
+    """inverse: --lr / (1 + staleness); share: --lr / workers; none: --lr; any other name is
+    refused naming the field."""
+    from scaletrain.strategies.param_server.consistency import staleness_lr_factor
+
+    assert [staleness_lr_factor("inverse", s, 4) for s in (0, 1, 3)] == [1.0, 0.5, 0.25]
+    assert staleness_lr_factor("share", 7, 4) == 0.25
+    assert staleness_lr_factor("none", 7, 4) == 1.0
+    with pytest.raises(ValueError, match="staleness_rule"):
+        staleness_lr_factor("sqrt", 1, 4)

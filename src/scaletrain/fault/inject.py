@@ -8,6 +8,8 @@ strategies:
   server rank R once its backup acknowledged its S-th update (or the first forwarded one
   after it) and before the reply that tells a worker of it: the push must be sent again and
   applied once. It fires nowhere else.
+- ``kill-during-copy:rank=R:step=S``: likewise, SIGKILL server rank R as it begins to copy
+  its slice (at version S or later) to its restarted backup.
 - ``killnode:rank=R:step=S``: SIGKILL rank R's elastic agent, then the rank (a node is gone).
 - ``hang:rank=R:step=S``: rank R stops before step S, alive and silent, never reaching the
   step's collective (a deadlock, a stuck file system); the watchdog must notice.
@@ -72,6 +74,11 @@ class Fault:
         """Seconds this fault added to the step."""
         return 0.0
 
+    def before_copy(self, version: int, rank: int, attempt: int) -> None:
+        """A parameter server with a backup, at ``version``, about to send its whole slice
+        to a backup process that (re)started and holds no copy."""
+        return None
+
     def before_reply(self, version: int, rank: int, attempt: int) -> None:
         """A parameter server with a backup (--ps-replicas 1), once the backup acknowledged
         every update up to ``version`` and before the reply that tells a worker of it."""
@@ -132,11 +139,33 @@ class KillBeforeReply(Kill):
     def before_step(self, step: int, rank: int, attempt: int) -> None:
         return None
 
+    def before_copy(self, version: int, rank: int, attempt: int) -> None:
+        """A parameter server with a backup, at ``version``, about to send its whole slice
+        to a backup process that (re)started and holds no copy."""
+        return None
+
     def before_reply(self, version: int, rank: int, attempt: int) -> None:
         if (
             rank == self.rank
             and version >= self.step
             and first_time("kill-before-reply", rank, self.step, attempt)
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class KillDuringCopy(Kill):
+    """Server rank R dies as it begins to copy its slice, at version S or later, to its
+    restarted backup: the window in which the slice's only copy is the dying one's."""
+
+    def before_step(self, step: int, rank: int, attempt: int) -> None:
+        return None
+
+    def before_copy(self, version: int, rank: int, attempt: int) -> None:
+        if (
+            rank == self.rank
+            and version >= self.step
+            and first_time("kill-during-copy", rank, self.step, attempt)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -186,6 +215,7 @@ def _flip_middle(path: Path) -> None:
 INJECTORS: dict[str, type[Fault]] = {
     "kill": Kill,
     "kill-before-reply": KillBeforeReply,
+    "kill-during-copy": KillDuringCopy,
     "killnode": KillNode,
     "hang": Hang,
     "slow": Slow,

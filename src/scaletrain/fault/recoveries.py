@@ -312,6 +312,12 @@ def ps_recoveries(
             updated = [e for e in events if e["event"] == "updated" and e["server"] == server
                        and e["attempt"] == served]  # fmt: skip
             entry["next_update_s"] = updated[0]["unix_time"] - died if updated else None
+            # Updates its workers had seen acknowledged that the restored slice lacks
+            # (strategies/param_server/exposure.py): 0 when it came back from its backup.
+            entry["lost_acknowledged_updates"] = max(
+                (e["updates"] for e in events if e["event"] == "acknowledged_lost"
+                 and e["server"] == server and e["attempt"] == served), default=0,
+            )  # fmt: skip
         out.append(entry)
     # Workers dropped without dying: from a bsp barrier, or (ssp) from the staleness bound
     # by every server alike (server 0's drop is the one that re-dealt the lease).

@@ -90,11 +90,12 @@ def refusals(cfg: RunConfig) -> list[str]:
                 f"under {name} a replica that dies heals from a live peer, and a checkpoint is "
                 "read only when the whole job starts again"
             )
-    if "kill-before-reply" in faults and (mode != "ps" or not cfg.ps.ps_replicas):
-        out.append(
-            "inject: kill-before-reply fires between a parameter server's forward to the "
-            "backup of its slice and its reply: it needs --strategy ps with --ps-replicas 1"
-        )
+    for fault in sorted(faults & {"kill-before-reply", "kill-during-copy"}):
+        if mode != "ps" or not cfg.ps.ps_replicas:
+            out.append(
+                f"inject: {fault} fires in a parameter server's replication of its slice: "
+                "it needs --strategy ps with --ps-replicas 1"
+            )
     if mode == "ps":
         name = "--strategy ps"
         if cfg.fault.checkpoint_auto:

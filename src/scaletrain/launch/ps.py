@@ -438,13 +438,21 @@ def finish_summary(fleet: PSFleet) -> dict[str, Any]:
         test = [score(task.model, task.test_data, task.eval_fn, torch.device("cpu"))[:2]]
     main = finals[0]
     numels = [f["param"].numel() for f in finals]
+    found = recoveries(fleet)
+    lost = sum(r.get("lost_acknowledged_updates", 0) for r in found)
+    if lost:
+        log.warning(
+            "%d acknowledged updates were lost by restarted servers (summary.json's "
+            "recoveries say which): a slice came back from its checkpoint",
+            lost,
+        )
     sizes = [p.numel() for p in task.model.parameters()]
     held = split_tensors(sizes, shard_ranges(sum(sizes), fleet.num_servers))
     return write_summary(cfg, run_dir, SummaryParts(
         finals=workers,
         steps=main["version"],
         samples=main["samples_trained"],
-        recoveries=recoveries(fleet),
+        recoveries=found,
         checkpoint_s=checkpoint_s,
         params_hash=params_sha256(task.model),
         test_counts=test or [],
@@ -470,6 +478,8 @@ def finish_summary(fleet: PSFleet) -> dict[str, Any]:
                 # count and seconds, spent inside the workers' round trips) and the copies
                 # it gave a restarted primary (strategies/param_server/replica.py).
                 "replicas": cfg.ps.ps_replicas,
+                # Updates workers had seen acknowledged that a restarted server lacked.
+                "lost_acknowledged_updates": lost,
                 "replication": [f.get("replication") for f in finals]
                 if cfg.ps.ps_replicas else None,
                 "transport": "gloo point-to-point, one two-rank group per worker-server link",

@@ -189,11 +189,12 @@ class Primary:
         self, *, index: int, num_servers: int, num_workers: int, attempt: int, store: Any,
         new_store: Callable[[], Any], timeout_s: float, lock: threading.Condition,
         full_state: Callable[[], dict[str, Any]], stop: threading.Event,
-        on_synced: Callable[[int], None],
+        on_synced: Callable[[int], None], before_copy: Callable[[], None] = lambda: None,
     ) -> None:  # fmt: skip
-        """``on_synced(backup_attempt)``: a backup process holds the whole slice (again)."""
+        """``on_synced(backup_attempt)``: a backup process holds the whole slice (again).
+        ``before_copy``: called (lock held) as a copy of the whole slice begins."""
         self.index, self.attempt = index, attempt
-        self.on_synced = on_synced
+        self.on_synced, self.before_copy = on_synced, before_copy
         self.backup = backup_of(index, num_servers)
         self.backup_rank = num_workers + self.backup
         self.store, self.new_store, self.timeout_s = store, new_store, timeout_s
@@ -290,6 +291,7 @@ class Primary:
             if link is None:
                 continue
             with self.lock:  # the whole state, then the forwards: nothing between
+                self.before_copy()
                 try:
                     if not asked:
                         link.send(_header(SYNC, 0))

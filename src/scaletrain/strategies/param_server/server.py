@@ -61,6 +61,7 @@ from scaletrain.strategies.param_server import cuts, replica
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.admission import Admission
 from scaletrain.strategies.param_server.coordinator import DataCoordinator, Lease
+from scaletrain.strategies.param_server.exposure import AcknowledgedLoss
 
 log = logging.getLogger("scaletrain.ps.server")
 
@@ -214,11 +215,16 @@ class ShardServer:
             self.backup.start()
             self.primary = replica.Primary(**common, lock=self.cond,
                                            full_state=self._replica_state,
-                                           on_synced=self._backup_synced)  # fmt: skip
+                                           on_synced=self._backup_synced,
+                                           before_copy=self._before_copy)  # fmt: skip
         if taken is not None:
             self._restore_replica(taken)
         else:
             self._restore()
+        self.loss = AcknowledgedLoss(
+            server=index, attempt=self.attempt, restored=self.version,
+            backed_up=bool(cfg.ps.ps_replicas), record=lambda e: append_event(run_dir, e),
+        )  # fmt: skip
         if self.primary is not None:
             self.primary.start()
 
@@ -289,6 +295,10 @@ class ShardServer:
         return {"param": self.param.detach().clone(),
                 "optimizer": _clone(self.optimizer.state_dict()),
                 "book": self._book().encode()}  # fmt: skip
+
+    def _before_copy(self) -> None:
+        for fault in self.faults:  # kill-during-copy
+            fault.before_copy(self.version, self.rank, self.attempt)
 
     def _backup_synced(self, backup_attempt: int) -> None:
         """The backup's process (that attempt) holds this slice whole: from here on a death
@@ -740,6 +750,7 @@ class ShardServer:
             self.live.add(worker)
             self.sessions[worker] = int(head[tp.ATTEMPT])
             self.hellos.add(worker)
+            self.loss.joined(worker, int(head[tp.VERSION_ON]))
             keep, kept = self._kept_lease(worker, int(head[tp.ATTEMPT]))
             if self.coordinator is None:
                 self.join_step[worker] = int(head[tp.STEP])
@@ -1114,6 +1125,7 @@ class ShardServer:
         """Lock held: the reply to ``worker``; server 0's carries its next lease. The backup
         holds what it tells of first (--ps-replicas)."""
         self._replicate()
+        self.loss.replied(worker)
         lease = self.leases.get(worker) if self.coordinator is not None else None
         end = self.coordinator is not None and lease is None
         head = tp.reply_header(

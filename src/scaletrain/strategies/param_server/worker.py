@@ -247,8 +247,10 @@ class PSWorkerStrategy(Strategy):
                 log.warning("server %d lost during its join: %s", k, e)
                 continue
             try:
+                # version_on: the last version this worker saw of the slice (a restarted
+                # server counts what it lost of it: exposure.py).
                 link.send(tp.header(kind=tp.Kind.HELLO, step=step, worker=self.worker,
-                                    attempt=self.attempt,
+                                    attempt=self.attempt, version_on=self.versions[k],
                                     clock=-1 if self.clock is None else self.clock))  # fmt: skip
                 return self._receive(k)
             except RuntimeError as e:
