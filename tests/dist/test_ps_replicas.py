@@ -56,8 +56,11 @@ def test_bsp_through_kills_of_primaries_and_backups_ends_bitwise_as_without_them
     runs = {}
     lost = ["--inject", "kill:rank=3:step=14", "--max-restarts", "0"]
     acked = ["--inject", "kill-before-reply:rank=4:step=6"]
+    # Server 0's link to its backup breaks after step 5, both alive; once made again (a
+    # forward), server 0 dies before its reply.
+    broken = ["--inject", "break-backup-link:rank=3:step=5,kill-before-reply:rank=3:step=9"]
     for name, extra in [("steady", []), ("killed", ["--inject", KILLS]), ("lost", lost),
-                        ("acked", acked)]:  # fmt: skip
+                        ("acked", acked), ("broken", broken)]:  # fmt: skip
         out = tmp_path / name
         result = run_cli("run", *job, *extra, "--log-sample-ids", "--out", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
@@ -71,6 +74,17 @@ def test_bsp_through_kills_of_primaries_and_backups_ends_bitwise_as_without_them
     assert resent(acked) >= 1, acked["ps"]["replication"]
     assert acked["params_sha256"] == steady["params_sha256"]
     assert acked["ps"]["server_updates"] == steady["ps"]["server_updates"]
+    # The primary linked to the same backup process again at once and copied its slice
+    # again, and the failover after it lost nothing.
+    broke = runs["broken"][0]
+    assert server_restores(broke) == [(0, "backup")], broke["recoveries"]
+    assert broke["ps"]["lost_acknowledged_updates"] == 0
+    assert broke["params_sha256"] == steady["params_sha256"]
+    events = read_jsonl(tmp_path / "broken" / "logs" / "ps_events.jsonl")
+    relinked = [e for e in events if e["event"] == "backup_synced" and e["server"] == 0
+                and e["attempt"] == 0]  # fmt: skip
+    assert [e["backup_attempt"] for e in relinked] == [0, 0], relinked
+    assert "linking again as 0.1" in (tmp_path / "broken" / "logs" / "rank4.log").read_text()
     [death] = taken["recoveries"]
     assert (death["server"], death["restarted"], death["taken_over_by"]) == (0, False, 4)
     assert taken["params_sha256"] == steady["params_sha256"]

@@ -8,6 +8,8 @@ strategies:
   server rank R once its backup acknowledged its S-th update (or the first forwarded one
   after it) and before the reply that tells a worker of it: the push must be sent again and
   applied once. It fires nowhere else.
+- ``break-backup-link:rank=R:step=S``: likewise, server rank R's link to the backup of its
+  slice breaks after its S-th update is forwarded, both processes alive.
 - ``kill-during-copy:rank=R:step=S``: likewise, SIGKILL server rank R as it begins to copy
   its slice (at version S or later) to its restarted backup.
 - ``killnode:rank=R:step=S``: SIGKILL rank R's elastic agent, then the rank (a node is gone).
@@ -79,6 +81,11 @@ class Fault:
         to a backup process that (re)started and holds no copy."""
         return None
 
+    def breaks_link(self, version: int, rank: int, attempt: int) -> bool:
+        """A parameter server with a backup, after a forward at ``version``: whether its link
+        to the backup breaks now (both processes live on)."""
+        return False
+
     def before_reply(self, version: int, rank: int, attempt: int) -> None:
         """A parameter server with a backup (--ps-replicas 1), once the backup acknowledged
         every update up to ``version`` and before the reply that tells a worker of it."""
@@ -144,6 +151,11 @@ class KillBeforeReply(Kill):
         to a backup process that (re)started and holds no copy."""
         return None
 
+    def breaks_link(self, version: int, rank: int, attempt: int) -> bool:
+        """A parameter server with a backup, after a forward at ``version``: whether its link
+        to the backup breaks now (both processes live on)."""
+        return False
+
     def before_reply(self, version: int, rank: int, attempt: int) -> None:
         if (
             rank == self.rank
@@ -168,6 +180,24 @@ class KillDuringCopy(Kill):
             and first_time("kill-during-copy", rank, self.step, attempt)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class BreakBackupLink(Kill):
+    """Server rank R's link to the backup of its slice breaks after its forward of update
+    S (or the first forwarded one after it), as a network fault would, both processes alive:
+    the backup's copy is stale from then on, and the link is made again and the slice
+    copied again."""
+
+    def before_step(self, step: int, rank: int, attempt: int) -> None:
+        return None
+
+    def breaks_link(self, version: int, rank: int, attempt: int) -> bool:
+        return (
+            rank == self.rank
+            and version >= self.step
+            and first_time("break-backup-link", rank, self.step, attempt)
+        )
 
 
 @dataclass(frozen=True)
@@ -214,6 +244,7 @@ def _flip_middle(path: Path) -> None:
 
 INJECTORS: dict[str, type[Fault]] = {
     "kill": Kill,
+    "break-backup-link": BreakBackupLink,
     "kill-before-reply": KillBeforeReply,
     "kill-during-copy": KillDuringCopy,
     "killnode": KillNode,

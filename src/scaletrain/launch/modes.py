@@ -90,7 +90,7 @@ def refusals(cfg: RunConfig) -> list[str]:
                 f"under {name} a replica that dies heals from a live peer, and a checkpoint is "
                 "read only when the whole job starts again"
             )
-    for fault in sorted(faults & {"kill-before-reply", "kill-during-copy"}):
+    for fault in sorted(faults & {"break-backup-link", "kill-before-reply", "kill-during-copy"}):
         if mode != "ps" or not cfg.ps.ps_replicas:
             out.append(
                 f"inject: {fault} fires in a parameter server's replication of its slice: "

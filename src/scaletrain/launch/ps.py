@@ -301,7 +301,7 @@ class PSFleet(JobFleet):
         """--ps-replicas: each server lost for good (no restart left, its node gone) has its
         slice served by its backup's process from then on (ps/promote/K). False when one's
         backup is lost too, or was before (a slice served there has no backup left)."""
-        from scaletrain.strategies.param_server.replica import backup_of, promote_key
+        from scaletrain.strategies.param_server.replica import backup_of, promote_key, stale_key
 
         if not self.cfg.ps.ps_replicas:
             return False
@@ -317,8 +317,11 @@ class PSFleet(JobFleet):
             self.taken_over[rank] = (backup, time.time())
         # A process serving a taken-over slice must not die: the slice has no copy left.
         for rank, (host, since) in self.taken_over.items():
+            k = rank - self.num_workers
+            if self.store.check([stale_key(k)]):
+                self.lost_both = f"server {k}'s backup (rank {host}) held no current copy"
+                return False
             if any(d["rank"] == host and d["died_at"] > since for d in self.deaths):
-                k = rank - self.num_workers
                 self.lost_both = f"rank {host}, which served server {k}'s slice, died too"
                 return False
         return True

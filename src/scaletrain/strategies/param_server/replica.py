@@ -90,8 +90,14 @@ def promote_key(k: int) -> str:
     return f"ps/promote/{k}"
 
 
-def link_prefix(k: int, primary_attempt: int, backup_attempt: int) -> str:
-    return f"ps/replica/{k}/link/p{primary_attempt}.b{backup_attempt}"
+def stale_key(k: int) -> str:
+    """Set by slice ``k``'s backup when it is asked to serve the slice and holds no copy."""
+    return f"ps/promote/{k}/stale"
+
+
+def link_prefix(k: int, primary_attempt: int, backup: str) -> str:
+    """``backup``: the backup's process attempt and link generation, "ATTEMPT.GEN"."""
+    return f"ps/replica/{k}/link/p{primary_attempt}.b{backup}"
 
 
 def to_bytes(obj: Any) -> torch.Tensor:
@@ -208,6 +214,15 @@ class Primary:
         self.forward_s = 0.0  # time spent forwarding (in the workers' round trips)
         store.set(primary_key(index), str(attempt))
 
+    def break_link(self) -> None:
+        """Lock held: drop the link as a network fault would (--inject break-backup-link):
+        its sockets close, the backup's wait fails, and a new link is made."""
+        if self.link is not None:
+            self.link.close()
+            self.link.pg = None  # the group's destructor closes its connections
+            self.link = None
+            self.lock.notify_all()
+
     def take_state(self) -> dict[str, Any] | None:
         """A restarted primary, before it serves: its slice from the backup (None: the
         backup holds no copy, or did not answer within --timeout-s). The link stays up: it
@@ -229,7 +244,7 @@ class Primary:
                 self.unsynced = link  # the backup waits for this primary's state
                 return None
             self.link = link
-            self.on_synced(int(self.linked or -1))
+            self.on_synced(int((self.linked or "-1").split(".")[0]))
             return cast(dict[str, Any], from_bytes(data))
         return None
 
@@ -296,6 +311,8 @@ class Primary:
                     if not asked:
                         link.send(_header(SYNC, 0))
                     _send_blob(link, to_bytes(self.full_state()), 0)
+                    # Held once the backup has loaded it (a sent copy can die in a buffer).
+                    link.recv(torch.zeros(tp.HEADER, dtype=torch.int64))
                 except tp.LinkError as e:
                     log.warning("slice %d: backup lost during its copy: %s", self.index, e)
                     link.close()
@@ -303,12 +320,13 @@ class Primary:
                 self.link, self.pending = link, []
                 self.sent = torch.empty(0, dtype=torch.uint8)
             log.info("slice %d: backup on server %d holds it", self.index, self.backup)
-            self.on_synced(int(self.linked or -1))
+            self.on_synced(int((self.linked or "-1").split(".")[0]))
 
     def _connect(self, deadline: float | None) -> tp.Link | None:
-        """A link to the backup process that is up now (a dead one's successor is waited
-        for); None when ``deadline`` passes or the server stops."""
-        tried = self.linked  # a link to it failed: it is dead, whether or not said yet
+        """A link to the backup that is up now: not the one whose link failed (its process
+        is dead, or it names itself anew, ATTEMPT.GEN, to link again); None when
+        ``deadline`` passes or the server stops."""
+        tried = self.linked
         while not self.stop.is_set():
             if deadline is not None and time.monotonic() > deadline:
                 return None
@@ -318,11 +336,11 @@ class Primary:
                 time.sleep(0.02)
                 continue
             tried = value
-            peer = (self.backup_rank, int(value))
+            peer = (self.backup_rank, int(value.split(".")[0]))
             if self.store.check([tp.death_key(*peer)]):
                 continue
             try:
-                link = tp.Link(self.new_store(), link_prefix(self.index, self.attempt, int(value)),
+                link = tp.Link(self.new_store(), link_prefix(self.index, self.attempt, value),
                                server_side=True, timeout_s=self.timeout_s, peer=peer)  # fmt: skip
                 self.linked = value
                 return link
@@ -351,7 +369,14 @@ class Backup:
         self.optimizer = build_optimizer([self.param])
         self.book: Applied | None = None  # None until it holds a copy
         self.gave = 0  # copies handed to a restarted primary
-        store.set(backup_key(self.slice), str(attempt))
+        # Named ATTEMPT.GEN at backup_key: a link that breaks while both processes live is
+        # made again under the next generation, and the primary sends its whole slice.
+        self.generation = 0
+        store.set(backup_key(self.slice), self.name)
+
+    @property
+    def name(self) -> str:
+        return f"{self.attempt}.{self.generation}"
 
     def start(self) -> None:
         # A link error is a lost primary (the next one is waited for); anything else in
@@ -365,7 +390,12 @@ class Backup:
     def _run(self) -> None:
         tried: str | None = None
         while not self.stop.is_set():
-            if self.book is not None and self.store.check([promote_key(self.slice)]):
+            if self.store.check([promote_key(self.slice)]):
+                if self.book is None:  # stale, or never copied: nothing to serve from
+                    log.error("slice %d: its primary is gone for good and this backup holds "
+                              "no current copy of it", self.slice)  # fmt: skip
+                    self.store.set(stale_key(self.slice), "1")
+                    return
                 log.warning("slice %d: its primary is gone for good; serving it from this "
                             "process (its backup)", self.slice)  # fmt: skip
                 self.on_promote(self.state())
@@ -380,19 +410,30 @@ class Backup:
             if self.store.check([tp.death_key(*peer)]):
                 continue
             try:
-                link = tp.Link(self.new_store(), link_prefix(self.slice, int(value), self.attempt),
+                link = tp.Link(self.new_store(), link_prefix(self.slice, int(value), self.name),
                                server_side=False, timeout_s=self.timeout_s, peer=peer)  # fmt: skip
             except tp.LinkError as e:
-                log.warning("slice %d: no link to primary attempt %s: %s", self.slice, value, e)
+                log.warning("slice %d: no link to primary %s: %s", self.slice, value, e)
                 continue
             try:
                 self._serve(link)
             except tp.LinkError as e:
                 if not self.stop.is_set():
-                    log.info("slice %d: primary attempt %s gone: %s", self.slice, value,
-                             str(e).splitlines()[0][:160])  # fmt: skip
+                    self._lost(peer, e)
+                    tried = None  # a primary that lives links to the new name
             finally:
                 link.close()
+
+    def _lost(self, peer: tuple[int, int], error: tp.LinkError) -> None:
+        """The link to the primary broke: it died, or the link did (both alive). The copy is
+        kept either way, and the next link decides what it is worth: a restarted primary
+        takes it (the updates it acknowledged after the last forward, if any, are counted as
+        lost: exposure.py), a primary that lives links again and sends its whole slice."""
+        why = str(error).splitlines()[0][:160]
+        self.generation += 1
+        self.store.set(backup_key(self.slice), self.name)
+        log.warning("slice %d: the link to primary %s broke (%s); linking again as %s",
+                    self.slice, peer, why, self.name)  # fmt: skip
 
     def _serve(self, link: tp.Link) -> None:
         head = torch.zeros(tp.HEADER, dtype=torch.int64)
@@ -409,6 +450,7 @@ class Backup:
             if data is None:
                 raise RuntimeError("replica link: the primary sent no state")
             self.load(from_bytes(data))
+            link.send(_header(ACK, self.book.version if self.book else 0))
         while not self.stop.is_set():
             link.recv(head)
             if int(head[0]) != FORWARD:

@@ -318,6 +318,8 @@ class ShardServer:
             self.unlogged = []
             if self.primary.link is not None:  # the backup holds every update so far
                 for fault in self.faults:
+                    if fault.breaks_link(self.version, self.rank, self.attempt):
+                        self.primary.break_link()
                     fault.before_reply(self.version, self.rank, self.attempt)
 
     def _restore_replica(self, state: dict[str, Any]) -> None:
