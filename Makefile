@@ -10,7 +10,7 @@ PIP_CONSTRAINT_FLAGS = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: install demo test test-fast stress fuzz lint bench scale scale-hosts chaos docs docs-serve clean
+.PHONY: install demo test test-fast stress fuzz mutants lint bench scale scale-hosts chaos docs docs-serve clean
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ stress: install
 fuzz: install
 	$(BIN)/python scripts/stress.py --rounds $(or $(ROUNDS),10) --flag-draws 8 \
 		--only tests/unit/test_flag_space.py tests/dist/test_flag_space.py
+
+# The mutation catalog (scripts/mutant_catalog.py): each promise's smallest breaking edit,
+# applied to a scratch copy; the tests make test runs for it must fail (runs/mutants/).
+mutants: install
+	$(BIN)/python scripts/mutants.py
 
 test-fast: install
 	$(BIN)/pytest tests/unit
