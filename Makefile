@@ -68,9 +68,9 @@ scale: install
 scale-hosts: install
 	$(BIN)/python benchmarks/hosts.py
 
-# 8 in-place replicas through a 5-minute storm of seeded faults (kills, freezes, cable cuts,
-# slow devices), against the same job without faults (the netns lab: needs root; about 13
-# minutes; runs/chaos/).
+# 8 in-place replicas through two 5-minute storms of seeded faults (kills, freezes, cable
+# cuts, slow devices), each between two runs of the same job without faults (the netns lab:
+# needs root; about 32 minutes; runs/chaos/).
 chaos: install
 	$(BIN)/python benchmarks/chaos.py
 
