@@ -16,7 +16,14 @@ epochs, a checkpoint every 10 steps. For each run the table gives launch to firs
 its phases: interpreter start to torch imported, the process group, the model built and
 wrapped), the steady step split into compute (the sleeping device), communication and the
 loop's own overhead, last step to summary.json, a checkpoint's save, peak memory and open
-file descriptors per process. A figure that grows faster than W between 8 and 32 is flagged.
+file descriptors per process.
+
+Growth is judged: a start-up, step or recovery term that grows faster than W^1.2 from W=8 to
+the largest W fails a floor, unless the benchmark attributes it to the emulation with a
+measured reason: the run's processes kept this host's cores at least 80% busy over the whole
+command (their CPU seconds, from the kernel's accounting of the finished children, over the
+wall time times the cores). Then the term measures 2 cores shared by W processes, not
+scaletrain, and the attribution is printed with its figures.
 
 Checks (exit status 1 when one fails): every run completes; the 32-worker ddp run (per-worker
 batch 2) ends with the weights of one process with batch 64 (within 1e-5); every run trains every
@@ -35,6 +42,7 @@ import csv
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -112,13 +120,22 @@ def launch(out: Path, w: int, overrides: Overrides, device_ms: float) -> dict[st
     cmd = [sys.executable, "-m", "scaletrain", "run", *flags({**base, **overrides}),
            "--out", str(out)]  # fmt: skip
     env = dict(os.environ, SCALETRAIN_DEVICE_MS=str(device_ms))
-    started = time.monotonic()
+    started, cpu = time.monotonic(), children_cpu_s()
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1][:200] if result.stderr else "?"}
     summary = json.loads((out / "summary.json").read_text())
     summary["command_s"] = time.monotonic() - started
+    # The CPU of every process of the run (each reaped by its parent, so the launcher's
+    # children include the workers), over what the host's cores could give in that time.
+    summary["cpu_s"] = children_cpu_s() - cpu
+    summary["cores_busy"] = summary["cpu_s"] / (summary["command_s"] * (os.cpu_count() or 1))
     return summary
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def read_records(out: Path) -> list[dict[str, Any]]:
@@ -240,6 +257,7 @@ def row_of(mode: str, w: int, summary: dict[str, Any], out: Path) -> dict[str, A
         "peak_rss_mb": summary.get("max_rank_peak_rss_bytes", 0) / 1e6,
         "open_fds": summary.get("max_rank_open_fds"),
         "command_s": summary.get("command_s"),
+        "cores_busy": summary.get("cores_busy"),
     }
 
 
@@ -256,6 +274,30 @@ def growth(rows: list[dict[str, Any]], column: str) -> float | None:
     if 8 not in by_w or big <= 8 or by_w[8] <= 0:
         return None
     return math.log(by_w[big] / by_w[8]) / math.log(big / 8)
+
+
+SATURATED = 0.8  # the cores this busy over a whole run: its terms measure the shared host
+GROWTH_FLOOR = 1.2
+
+
+def judge_growth(what: str, k: float | None, largest: dict[str, Any] | None) -> str:
+    """A floor: ``what`` grows no faster than W^1.2, or the run at the largest W saturated
+    this host's cores (the attribution, printed with its figures)."""
+    if k is None:
+        return ""
+    if k <= GROWTH_FLOOR:
+        FLOORS.check(f"{what} grows no faster than W^{GROWTH_FLOOR}", True)
+        return f"{k:.2f}"
+    busy = (largest or {}).get("cores_busy") or 0.0
+    attributed = busy >= SATURATED
+    FLOORS.check(f"{what} grows no faster than W^{GROWTH_FLOOR} (or the emulation's cores "
+                 "explain it)", attributed)  # fmt: skip
+    reason = (
+        f"the emulation: W={largest['W']}'s processes kept the cores {busy:.0%} busy"
+        if attributed and largest
+        else "NOT explained by shared cores: a finding"
+    )
+    return f"{k:.2f} ({reason})"
 
 
 def equivalence(root: Path, device_ms: float) -> float:
@@ -395,22 +437,28 @@ def main() -> None:
     table = Path(args.out) / "scale.csv"
     table.parent.mkdir(parents=True, exist_ok=True)
     with table.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["mode", "W", *COLUMNS, "command_s"],
+        writer = csv.DictWriter(f, fieldnames=["mode", "W", *COLUMNS, "command_s", "cores_busy"],
                                 extrasaction="ignore")  # fmt: skip
         writer.writeheader()
         writer.writerows(rows)
     print(f"\ntable: {table}")
-    print("\ngrowth from W=8 to the largest (exponent k of W^k; > 1.2 is a finding):")
+    print(f"\ngrowth from W=8 to the largest (exponent k of W^k; a floor at {GROWTH_FLOOR} for "
+          "start-up, step and finish, unless the run saturated the cores):")  # fmt: skip
     for mode in args.modes.split(","):
         mine = [r for r in rows if r["mode"] == mode]
-        ks = {c: growth(mine, c) for c in ("launch_to_first_step_s", "step_ms", "overhead_ms",
-                                           "finish_s", "peak_rss_mb", "open_fds")}  # fmt: skip
-        shown = ", ".join(f"{c} {k:.2f}" + (" FINDING" if k > 1.2 else "")
-                          for c, k in ks.items() if k is not None)  # fmt: skip
+        largest = max(mine, key=lambda r: r["W"], default=None)
+        judged = {
+            c: judge_growth(f"{mode}'s {c}", growth(mine, c), largest)
+            for c in ("launch_to_first_step_s", "step_ms", "overhead_ms", "finish_s")
+        }
+        seen = {c: growth(mine, c) for c in ("peak_rss_mb", "open_fds")}  # fmt: skip
+        shown = [f"{c} {v}" for c, v in judged.items() if v]
+        shown += [f"{c} {k:.2f}" for c, k in seen.items() if k is not None]
         if shown:
-            print(f"  {mode}: {shown}")
+            print(f"  {mode}: {', '.join(shown)}")
     if args.fault_worlds:
         print("\nfailures (each run: where it recovered, and every sample once per epoch):")
+        recovered: dict[str, list[dict[str, Any]]] = {}
         for w in [int(x) for x in args.fault_worlds.split(",")]:
             for name, overrides in fault_runs(w, args.kills).items():
                 if name not in args.fault_modes.split(","):
@@ -428,6 +476,14 @@ def main() -> None:
                       f"{max(resumed, default=math.nan):.1f} s later at most; goodput "
                       f"{summary.get('goodput') or 0:.0%}; once per epoch: "
                       f"{'yes' if once else 'NO'}", flush=True)  # fmt: skip
+                recovered.setdefault(name, []).append(
+                    {"W": w, "resumed_s": max(resumed, default=None),
+                     "cores_busy": summary.get("cores_busy")})  # fmt: skip
+        for name, runs in recovered.items():
+            largest = max(runs, key=lambda r: r["W"])
+            shown = judge_growth(f"{name}'s recovery", growth(runs, "resumed_s"), largest)
+            if shown:
+                print(f"  {name}: the death to training again grows as W^{shown}")
     predicted = check_predictions(root, worlds, args.modes.split(","))
     if predicted:
         with (Path(args.out) / "predict.csv").open("w", newline="") as f:

@@ -183,7 +183,7 @@ CATALOG = [
         SRC + "fault/recovery.py",
         "        set_rng_state(rng)\n",
         "        pass\n",
-        [D + "test_resume_property.py::test_a_killed_and_restarted_run_ends_bit_identical"],
+        [D + "test_recovery.py::test_per_rank_random_streams_continue_exactly_after_a_restart"],
     ),
     # -- preemption ----------------------------------------------------------------------
     Mutation(
@@ -240,7 +240,7 @@ CATALOG = [
         SRC + "strategies/inplace.py",
         "weight = batch.num_samples * n / batch.global_samples",
         "weight = batch.num_samples / batch.global_samples",
-        [D + "test_inplace.py::test_without_restarts_the_survivors_finish_every_epoch"],
+        [D + "test_inplace.py::test_ddp_in_place_trains_as_the_restart_mode_does"],
     ),
     Mutation(
         "hsdp-group-weight",
