@@ -10,7 +10,7 @@ PIP_CONSTRAINT_FLAGS = $(if $(TORCH_CONSTRAINTS),-c $(TORCH_CONSTRAINTS))
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: install demo test test-fast stress fuzz mutants lint bench scale scale-hosts chaos docs docs-serve clean
+.PHONY: install demo test test-fast stress fuzz mutants golden lint bench scale scale-hosts chaos docs docs-serve clean
 
 $(STAMP): pyproject.toml $(TORCH_CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ fuzz: install
 # applied to a scratch copy; the tests make test runs for it must fail (runs/mutants/).
 mutants: install
 	$(BIN)/python scripts/mutants.py
+
+# The golden table (tests/golden/): fixed runs of every mode and their final weights' hash,
+# unchanged by any restructure (about 2 minutes; SCALETRAIN_GOLDEN=record writes it anew).
+golden: install
+	SCALETRAIN_GOLDEN=$(or $(SCALETRAIN_GOLDEN),1) $(BIN)/pytest -q -n 2 tests/golden
 
 test-fast: install
 	$(BIN)/pytest tests/unit

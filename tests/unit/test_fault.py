@@ -86,8 +86,13 @@ def test_parse_inject():
         Hang(rank=0, step=4),
         CorruptCheckpoint(step=3),
     ]
+    # The parameter server's replication faults (strategies/param_server/replica.py).
+    assert [type(f).__name__ for f in parse_inject(
+        "kill-before-reply:rank=3:step=2,kill-during-copy:rank=3:step=2,"
+        "break-backup-link:rank=3:step=2")] == [
+        "KillBeforeReply", "KillDuringCopy", "BreakBackupLink"]  # fmt: skip
     with pytest.raises(
-        ValueError, match="unknown fault 'explode'; known: corrupt-checkpoint, hang"
+        ValueError, match="unknown fault 'explode'; known: break-backup-link, corrupt-checkpoint"
     ):
         parse_inject("explode:rank=1")
     with pytest.raises(ValueError, match="rank must be an integer, got 'one'"):
