@@ -162,3 +162,9 @@ def test_the_acceptance_rate_of_draws_is_printed_and_not_collapsed(capsys):
     with capsys.disabled():
         print(f"\nflag-space draws accepted: {accepted} of {total} ({rate:.0%})")
     assert rate >= 0.3, rate
+
+
+def test_a_pipeline_of_a_model_it_cannot_cut_is_refused_naming_the_strategy(capsys):
+    """Found by a make stress round's draw: the refusal named "pipeline", no flag."""
+    d = {"strategy": "pipeline", "nproc_per_node": 2, "task": "examples/tabular_task.py:build_task"}
+    assert check(d, capsys) == 2

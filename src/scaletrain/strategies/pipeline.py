@@ -68,8 +68,9 @@ def layer_bytes(model: nn.Module) -> list[tuple[str, int]]:
     """(name, parameter bytes) of each top-level layer of a Sequential model."""
     if not isinstance(model, nn.Sequential):
         raise ValueError(
-            f"pipeline: the model must be an nn.Sequential of layers to cut into stages; got "
-            f"{type(model).__name__}. Wrap its layers in nn.Sequential (in your task's model)"
+            f"strategy: --strategy pipeline cuts the model into stages, so it must be an "
+            f"nn.Sequential of layers; got {type(model).__name__}. Wrap its layers in "
+            "nn.Sequential (in your task's model), or choose another strategy"
         )
     return [
         (name, sum(p.numel() * p.element_size() for p in layer.parameters()))
