@@ -138,66 +138,50 @@ class Hang(Kill):
 
 
 @dataclass(frozen=True)
-class KillBeforeReply(Kill):
+class _ReplicationFault(Kill):
+    """A fault of a parameter server's replication (--ps-replicas 1): it fires once, at the
+    first moment of its kind at version S or later on server rank R, never before a step."""
+
+    def before_step(self, step: int, rank: int, attempt: int) -> None:
+        return None
+
+    def due(self, kind: str, version: int, rank: int, attempt: int) -> bool:
+        return (
+            rank == self.rank
+            and version >= self.step
+            and first_time(kind, rank, self.step, attempt)
+        )
+
+
+@dataclass(frozen=True)
+class KillBeforeReply(_ReplicationFault):
     """Server rank R dies after its backup acknowledged update S (or the first forwarded
     update after it) and before its reply: the worker hears nothing of a push both copies of
     the slice hold, and sends it again to the restarted server, which must apply it once."""
 
-    def before_step(self, step: int, rank: int, attempt: int) -> None:
-        return None
-
-    def before_copy(self, version: int, rank: int, attempt: int) -> None:
-        """A parameter server with a backup, at ``version``, about to send its whole slice
-        to a backup process that (re)started and holds no copy."""
-        return None
-
-    def breaks_link(self, version: int, rank: int, attempt: int) -> bool:
-        """A parameter server with a backup, after a forward at ``version``: whether its link
-        to the backup breaks now (both processes live on)."""
-        return False
-
     def before_reply(self, version: int, rank: int, attempt: int) -> None:
-        if (
-            rank == self.rank
-            and version >= self.step
-            and first_time("kill-before-reply", rank, self.step, attempt)
-        ):
+        if self.due("kill-before-reply", version, rank, attempt):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(frozen=True)
-class KillDuringCopy(Kill):
+class KillDuringCopy(_ReplicationFault):
     """Server rank R dies as it begins to copy its slice, at version S or later, to its
-    restarted backup: the window in which the slice's only copy is the dying one's."""
-
-    def before_step(self, step: int, rank: int, attempt: int) -> None:
-        return None
+    restarted backup: the window in which the slice's only current copy is the dying one's."""
 
     def before_copy(self, version: int, rank: int, attempt: int) -> None:
-        if (
-            rank == self.rank
-            and version >= self.step
-            and first_time("kill-during-copy", rank, self.step, attempt)
-        ):
+        if self.due("kill-during-copy", version, rank, attempt):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(frozen=True)
-class BreakBackupLink(Kill):
-    """Server rank R's link to the backup of its slice breaks after its forward of update
-    S (or the first forwarded one after it), as a network fault would, both processes alive:
-    the backup's copy is stale from then on, and the link is made again and the slice
-    copied again."""
-
-    def before_step(self, step: int, rank: int, attempt: int) -> None:
-        return None
+class BreakBackupLink(_ReplicationFault):
+    """Server rank R's link to the backup of its slice breaks after its forward of update S
+    (or the first forwarded one after it), as a network fault would, both processes alive:
+    the backup links again under a new name and the primary copies its slice again."""
 
     def breaks_link(self, version: int, rank: int, attempt: int) -> bool:
-        return (
-            rank == self.rank
-            and version >= self.step
-            and first_time("break-backup-link", rank, self.step, attempt)
-        )
+        return self.due("break-backup-link", version, rank, attempt)
 
 
 @dataclass(frozen=True)
