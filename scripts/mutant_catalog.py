@@ -422,12 +422,17 @@ CATALOG = [
         ],
     ),
     Mutation(
-        "broken-link-never-relinked", "parameter server", "a primary-backup link that breaks "
+        "broken-link-never-relinked",
+        "parameter server",
+        "a primary-backup link that breaks "
         "with both alive is made again, and the slice copied again",
         PS + "replica.py",
         "        self.generation += 1\n        self.store.set(backup_key(self.slice), self.name)\n",
         "",
-        [D + "test_ps_replicas.py::test_bsp_through_kills_of_primaries_and_backups_ends_bitwise_as_without_them"],
+        [
+            D
+            + "test_ps_replicas.py::test_bsp_through_kills_of_primaries_and_backups_ends_bitwise_as_without_them"
+        ],
     ),
     Mutation(
         "acknowledged-loss-silent",

@@ -163,3 +163,10 @@ def test_what_clipping_bounds_is_named_per_mode(overrides, scope):
     assert clip_scope(cfg(clip_grad_norm=1.0, **overrides)).startswith(scope + ":")
     help_text = leaf_fields()["clip_grad_norm"][1].metadata["help"]
     assert all(word in help_text for word in ("local_sgd", "each replica", "each push's"))
+
+
+def test_a_decay_of_one_step_is_done_after_that_step():
+    """The decay spans total - warmup steps (at least one): with one, the step after the
+    warm-up is at its end."""
+    assert [lr_factor("linear", s, 4, 3) for s in (3, 4)] == [1.0, 0.0]
+    assert [lr_factor("linear", s, 3, 3) for s in (3, 4)] == [1.0, 0.0]  # none left: span 1

@@ -77,3 +77,10 @@ def test_auto_measures_before_its_first_save_after_a_resume_too(resumed_at):
     assert saved[0] == resumed_at + AUTO_FIRST_STEPS
     gaps = [b - a for a, b in zip(saved, saved[1:], strict=False)]
     assert all(gap > 1 for gap in gaps), saved
+
+
+def test_no_step_time_yet_means_every_step_and_a_short_interval_is_still_finite():
+    assert interval_steps(5.0, 0.0, 3600.0) == 1  # no step measured: save at every step
+    assert interval_steps(0.0, 0.5, 3600.0) == 1  # free checkpoints: still at least one step
+    assert predicted_overhead(0.1, 0.5, 100.0) == pytest.approx(0.1 / 0.5 + 0.5 / 200.0)
+    assert predicted_overhead(0.1, 0.0, 100.0) == math.inf

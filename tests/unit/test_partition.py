@@ -205,3 +205,45 @@ def test_balanced_shares_carry_over_only_to_a_world_of_their_size():
     again = samplers_for(100, 2, 5, seed=1)[0]
     again.load_state_dict(state)
     assert again.shares == [3.0, 1.0]
+
+
+def test_shares_split_in_proportion_with_largest_remainders_to_the_lowest_rank():
+    """--balance speed's split: whole parts first, the samples left over by largest
+    remainder, ties to the lower rank; a share of zero gets nothing."""
+    assert partition.split_counts(10, 3, [1.0, 1.0, 2.0]) == [3, 2, 5]  # 2.5, 2.5, 5: tie
+    assert partition.split_counts(10, 3, [0.1, 0.5, 0.4]) == [1, 5, 4]
+    assert partition.split_counts(7, 3, [0.3, 0.45, 0.25]) == [2, 3, 2]  # .1 .15 .75 left
+    assert partition.split_counts(9, 3, [0.0, 2.0, 1.0]) == [0, 6, 3]
+    assert partition.rank_slice(100, 110, 3, 2, [1.0, 1.0, 2.0]) == (105, 110)
+    order = np.arange(200, 210)
+    assert partition.rank_indices(order, 0, 10, 3, 2, [1.0, 1.0, 2.0]) == [205, 206, 207, 208, 209]
+
+
+@pytest.mark.parametrize("shares", [[1.0, 1.0], [1.0, -0.5, 1.0], [0.0, 0.0, 0.0]])
+def test_shares_that_do_not_fit_the_world_are_refused(shares):
+    with pytest.raises(ValueError, match=r"do not fit a world of 3"):
+        partition.split_counts(9, 3, shares)
+
+
+def test_out_of_range_cursors_and_mismatched_shards_are_refused_naming_them():
+    for fn in (partition.step_bounds, partition.step_count):
+        with pytest.raises(ValueError, match="cursor 11 is outside an epoch of 10 samples"):
+            fn(10, 4, False, cursor=11)
+    with pytest.raises(ValueError, match="shard sizes add up to 9, not 10 samples"):
+        partition.epoch_order(10, 0, 0, shard_sizes=[4, 5])
+
+
+def test_shard_aware_windows_default_to_the_largest_shard_and_cover_every_position():
+    """Each window of ``window`` positions holds the samples of those positions before the
+    shuffle (shards in random order, then shuffled inside each window only)."""
+    sizes = [6, 6, 6, 6, 6]
+    for seed in range(5):
+        plain = partition.epoch_order(30, seed, 1, shard_sizes=sizes, window=1)
+        default = partition.epoch_order(30, seed, 1, shard_sizes=sizes)
+        # window=1 shuffles nothing: whole shards in a row; the default window is one shard
+        assert all(plain[i + 1] == plain[i] + 1 for i in range(0, 30, 6) for i in range(i, i + 5))
+        for lo in range(0, 30, 6):
+            assert sorted(default[lo : lo + 6]) == sorted(plain[lo : lo + 6])
+        assert not np.array_equal(default, plain) or seed  # seed 0 shuffles some window
+    order = partition.epoch_order(30, 3, 0, shard_sizes=sizes, window=4)
+    assert sorted(order[:4]) != list(order[:4]) or sorted(order[4:8]) != list(order[4:8])

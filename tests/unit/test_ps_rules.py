@@ -16,6 +16,7 @@ from scaletrain.strategies.param_server.consistency import (
     split_tensors,
     staleness,
     staleness_histogram,
+    total_updates,
 )
 from scaletrain.strategies.param_server.coordinator import DataCoordinator
 
@@ -27,6 +28,42 @@ def test_partition_is_balanced_by_bytes_and_splits_a_large_tensor():
     assert split_tensors(sizes, ranges) == [[0], [0], [0, 1, 2, 3]]
     with pytest.raises(ValueError, match="cannot split 2 parameters over 3 servers"):
         shard_ranges(2, 3)
+
+
+def test_every_server_count_from_one_to_the_parameters_is_a_partition():
+    assert shard_ranges(5, 1) == [(0, 5)]
+    assert shard_ranges(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="cannot split 3 parameters over 0 servers"):
+        shard_ranges(3, 0)
+
+
+def test_a_tensor_belongs_to_each_server_whose_slice_it_overlaps_and_to_no_other():
+    """Tensors ending exactly where a slice begins, or beginning where it ends, are not in it."""
+    assert split_tensors([2, 2, 2], [(0, 2), (2, 4), (4, 6)]) == [[0], [1], [2]]
+    assert split_tensors([3, 1, 2], [(0, 3), (3, 6)]) == [[0], [1, 2]]
+    assert split_tensors([1, 4, 1], [(0, 3), (3, 6)]) == [[0, 1], [1, 2]]
+
+
+@pytest.mark.parametrize(
+    ("consistency", "samples", "drop_last", "max_steps", "expected"),
+    [
+        ("bsp", 100, False, 0, 2 * 9),  # global steps of 4 x 3 = 12: 8 and a short one
+        ("bsp", 100, True, 0, 2 * 8),
+        ("bsp", 100, False, 5, 5),  # --max-steps counts global steps
+        ("asp", 99, False, 0, 2 * 25),  # single pushes of 4: 24 and a short one
+        ("ssp", 99, True, 0, 2 * 24),
+        ("asp", 99, False, 5, 15),  # a global step's worth of pushes from each of 3 workers
+    ],
+)
+def test_the_servers_count_the_updates_of_the_run(
+    consistency, samples, drop_last, max_steps, expected
+):
+    cfg = from_dict({
+        "train": {"strategy": "ps", "batch_size": 4, "epochs": 2, "drop_last": drop_last,
+                  "max_steps": max_steps},
+        "ps": {"consistency": consistency} | ({"staleness": 2} if consistency == "ssp" else {}),
+    })  # fmt: skip
+    assert total_updates(cfg, samples, 3) == expected
 
 
 def test_bounded_staleness_rule():
@@ -43,6 +80,7 @@ def test_a_joiner_keeps_its_clock_and_a_new_worker_starts_level_with_the_slowest
     assert join_clock(9, [4, 12]) == 9  # rejoining a restarted server: as far ahead as it was
     assert join_clock(-1, [4, 12]) == 4  # a new (or restarted) worker: level with the slowest
     assert join_clock(-1, []) == 0
+    assert join_clock(0, [4, 12]) == 0  # a clock of 0 is a clock: kept
     # Two servers that hold the workers by the same clocks never hold two workers each for
     # the other: A held by C on one and C held by A on the other needs A - C > S and
     # C - A > S at once.
@@ -225,10 +263,54 @@ def test_copies_of_a_cut_that_differ_are_not_continued_from(tmp_path, caplog):
             save_checkpoint(tmp_path / "checkpoints" / f"server{k}", version, state, keep=5)
     with caplog.at_level(logging.WARNING, logger="scaletrain.ps.cuts"):
         assert consistent_checkpoint(tmp_path, 2, "asp") == [8, 8]
-    assert "copies of cut [0, 2] differ" in caplog.text
-    assert "worker 1's last push applied: 9 on server 0, 8 on server 1" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [
+        "the copies of cut [0, 2] differ (worker 1's last push applied: 9 on server 0, 8 on "
+        "server 1): not continued from"
+    ]
     # bsp names its moments by the global step: clocks are not what makes them one.
     assert consistent_checkpoint(tmp_path, 2, "bsp") == [16, 17]
+
+
+def test_a_cut_is_continued_from_past_damaged_copies_and_checkpoints_of_no_cut(tmp_path):
+    """Per server, each checkpoint the index lists is read whole (a damaged one is passed
+    over, not the end of the search); one that names no cut (a server's own periodic save)
+    is no moment; a cut taken at the server's first update counts like any other."""
+    from scaletrain.fault.checkpoint import save_checkpoint
+    from scaletrain.strategies.param_server.cuts import consistent_checkpoint
+
+    def save(k, version, cut, step=0):
+        state = {"version": version, "released_step": step, "cut": cut, "clocks": {0: version}}
+        save_checkpoint(tmp_path / "checkpoints" / f"server{k}", version, state, keep=9)
+
+    for k in (0, 1):
+        save(k, 1, [0, 1])
+        save(k, 2, None)
+    assert consistent_checkpoint(tmp_path, 2, "asp") == [1, 1]
+    save(0, 5, [0, 2])
+    (tmp_path / "checkpoints" / "server0" / "step-00000001.pt").write_bytes(b"damaged")
+    save(0, 6, [0, 3])
+    save(1, 6, [0, 3])
+    assert consistent_checkpoint(tmp_path, 2, "asp") == [6, 6]
+    assert consistent_checkpoint(tmp_path, 0, "asp") is None
+
+
+def test_bsp_moments_are_global_steps_whatever_the_cut_field_says(tmp_path):
+    from scaletrain.fault.checkpoint import save_checkpoint
+    from scaletrain.strategies.param_server.cuts import consistent_checkpoint
+
+    for k, versions in enumerate([(3, 6), (4, 7)]):
+        for step, version in enumerate(versions, start=1):
+            state = {"version": version, "released_step": step, "cut": None, "clocks": {}}
+            save_checkpoint(tmp_path / "checkpoints" / f"server{k}", version, state, keep=9)
+    assert consistent_checkpoint(tmp_path, 2, "bsp") == [6, 7]
+    assert consistent_checkpoint(tmp_path, 2, "asp") is None  # no cut on any server
+
+
+def test_a_server_that_has_not_seen_a_live_workers_push_has_not_reached_the_cut():
+    from scaletrain.strategies.param_server import cuts
+
+    assert not cuts.reached({3: (0, 1)}, {3}, {3: 0}, {})
+    assert cuts.reached({3: (0, 1)}, {3}, {3: 0}, {3: 1})
 
 
 def test_each_staleness_rule_scales_a_push_as_documented():

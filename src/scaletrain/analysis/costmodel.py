@@ -525,16 +525,6 @@ def bubble(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def with_link(cal: Calibration, *, bandwidth_Bps: float | None = None,
-              latency_s: float | None = None) -> Calibration:  # fmt: skip
-    """The same job on another network."""
-    return replace(
-        cal,
-        bandwidth_Bps=cal.bandwidth_Bps if bandwidth_Bps is None else bandwidth_Bps,
-        latency_s=cal.latency_s if latency_s is None else latency_s,
-    )
-
-
 def calibrate_run(run_dir: Path, warmup: int = 3) -> dict[str, float]:
     """From a finished 1-worker run of the job: its step time without communication (median
     of rank 0's compute + data per step after ``warmup`` steps), the samples a worker trains
