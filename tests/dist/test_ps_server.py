@@ -393,20 +393,20 @@ def test_a_cut_copies_the_pushes_it_holds_and_holds_back_the_next_ones(tmp_path)
     had applied it, this one had not got it yet): the server applies it before its copy.
     Worker b's next push, beyond the cut, is not in the copy: it is applied after."""
     from scaletrain.fault.checkpoint import load_latest, read_index
-    from scaletrain.strategies.param_server import cuts
+    from scaletrain.strategies.param_server import cuts, keys
 
     store, server = start_server(tmp_path, "asp", index=1, num_servers=2, checkpoint_every=100)
     a = Worker(store.port, 0, server=1, numel=1)
     b = Worker(store.port, 1, server=1, numel=1)
     a.hello(), b.hello()
     a.push(1, [1.0], BATCH), b.push(2, [1.0], BATCH)
-    store.set(cuts.LATEST, "1")
-    store.wait([cuts.applied(1, 1)])
-    assert cuts.decode(store.get(cuts.applied(1, 1))) == {0: (0, 1), 1: (0, 1)}
+    store.set(keys.CUT_LATEST, "1")
+    store.wait([keys.cut_applied(1, 1)])
+    assert cuts.decode(store.get(keys.cut_applied(1, 1))) == {0: (0, 1), 1: (0, 1)}
     beyond, _ = in_thread(b.push, 3, [1.0], BATCH)  # b's clock 2: not in the cut
     owed, _ = in_thread(a.push, 4, [1.0], BATCH)  # a's clock 2: in it
-    store.set(cuts.pushes(1), cuts.encode({0: (0, 2), 1: (0, 1)}))
-    store.wait([cuts.copied(1, 1)])
+    store.set(keys.cut_pushes(1), cuts.encode({0: (0, 2), 1: (0, 1)}))
+    store.wait([keys.cut_copied(1, 1)])
     owed.join(30), beyond.join(30)
     directory = tmp_path / "checkpoints" / "server1"
     wait_for(server, lambda s: read_index(directory))  # written in the background

@@ -323,3 +323,21 @@ def test_each_staleness_rule_scales_a_push_as_documented():
     assert staleness_lr_factor("none", 7, 4) == 1.0
     with pytest.raises(ValueError, match="staleness_rule"):
         staleness_lr_factor("sqrt", 1, 4)
+
+
+def test_every_store_key_of_the_parameter_server_is_spelled_in_keys_only():
+    """Both sides of each store conversation import its keys from one module: a key spelled
+    out anywhere else can drift from its reader's spelling."""
+    from pathlib import Path
+
+    import scaletrain
+
+    root = Path(scaletrain.__file__).parent
+    spelled = [
+        f"{path.relative_to(root)}:{n}"
+        for path in root.rglob("*.py")
+        if path.name != "keys.py"
+        for n, line in enumerate(path.read_text().splitlines(), start=1)
+        if '"ps/' in line
+    ]
+    assert not spelled, f"store keys spelled outside param_server/keys.py: {spelled}"

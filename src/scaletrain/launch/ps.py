@@ -37,6 +37,7 @@ from scaletrain.launch.fleet import JobFleet
 from scaletrain.lifecycle import read_finals, save_final_model
 from scaletrain.metrics.logs import tail
 from scaletrain.metrics.summary import SummaryParts, write_summary
+from scaletrain.strategies.param_server import keys
 from scaletrain.strategies.param_server.admission import launcher_token
 
 # How long servers get to write their final slices once told to finish.
@@ -133,11 +134,11 @@ class PSFleet(JobFleet):
                     store.set(key, cause)
                     del self._deaths_to_publish[key]
                 for rank, how in list(self._pending.items()):
-                    store.set(f"ps/end/{rank}", how)
+                    store.set(keys.end(rank), how)
                     del self._pending[rank]
                 # add() waits for node 0's answer; set() alone returns once the bytes are in
                 # the local socket buffer, also when the cable is cut.
-                store.add(f"ps/alive/{self.cfg.launch.node_rank}", 1)
+                store.add(keys.alive(self.cfg.launch.node_rank), 1)
                 self._beat_ok = time.monotonic()
             except Exception:  # node 0 unreachable: keep trying; keep_running gives up
                 store = None
@@ -163,7 +164,7 @@ class PSFleet(JobFleet):
     def _check_silent_nodes(self, now: float) -> None:
         """Node 0: the ranks of a node whose beat has not changed for silence_s failed."""
         for node in range(1, self.nnodes):
-            key = f"ps/alive/{node}"
+            key = keys.alive(node)
             beat = self.store.get(key).decode() if self.store.check([key]) else ""
             seen = self._beats.get(node)
             if seen is None or seen[0] != beat:
@@ -257,8 +258,8 @@ class PSFleet(JobFleet):
         if now - self._remote_read > 0.5:
             self._remote_read = now
             for rank in set(range(self.world)) - set(self.local) - set(self._remote):
-                if self.store.check([f"ps/end/{rank}"]):
-                    self._remote[rank] = self.store.get(f"ps/end/{rank}").decode()
+                if self.store.check([keys.end(rank)]):
+                    self._remote[rank] = self.store.get(keys.end(rank)).decode()
             self._check_silent_nodes(now)
         finished = self.finished | {r for r, how in self._remote.items() if how == "finished"}
         self.internal |= {r for r, how in self._remote.items() if how == "internal"}
@@ -290,7 +291,7 @@ class PSFleet(JobFleet):
             # Preempted: the workers left after their steps; the servers checkpoint instead
             # of writing their final slices (server.py), and the launcher exits 3.
             self.preempted = preemption_request(self.run_dir) is not None
-            self.store.set("ps/preempt" if self.preempted else "ps/finish", "1")
+            self.store.set(keys.PREEMPT if self.preempted else keys.FINISH, "1")
             self.finish_at = time.monotonic()
         if self.finish_at is not None:
             waiting = servers - finished

@@ -41,26 +41,7 @@ from typing import Any
 
 from scaletrain.fault.checkpoint import load_latest, read_index
 
-COUNT = "ps/cut/count"  # store.add: the next cut's n
-LATEST = "ps/cut/latest"  # the n of the last cut begun
-PREEMPT = "ps/cut/preempt"  # the n of the preemption's cut
-
 log = logging.getLogger("scaletrain.ps.cuts")
-
-
-def applied(n: int, server: int) -> str:
-    """The store key of the pushes a server had applied when it froze for cut ``n``."""
-    return f"ps/cut/{n}/applied/{server}"
-
-
-def pushes(n: int) -> str:
-    """The store key of the pushes cut ``n`` holds (empty: abandoned)."""
-    return f"ps/cut/{n}/pushes"
-
-
-def copied(n: int, server: int) -> str:
-    """The store key a server sets once it holds its copy of cut ``n``."""
-    return f"ps/cut/{n}/copied/{server}"
 
 
 Pushes = dict[int, tuple[int, int]]  # worker: (its process attempt, the clock of its push)

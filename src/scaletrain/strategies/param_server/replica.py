@@ -53,6 +53,11 @@ from torch import nn
 from scaletrain.fault.internal import guarded
 from scaletrain.schedule import scale_lr
 from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server.keys import backup as backup_key
+from scaletrain.strategies.param_server.keys import primary as primary_key
+from scaletrain.strategies.param_server.keys import promote as promote_key
+from scaletrain.strategies.param_server.keys import replica_link as link_prefix
+from scaletrain.strategies.param_server.keys import stale as stale_key
 
 log = logging.getLogger("scaletrain.ps.replica")
 
@@ -73,31 +78,6 @@ def backup_of(k: int, num_servers: int) -> int:
 def backed_up_by(k: int, num_servers: int) -> int:
     """The slice whose backup server ``k`` holds (``backup_of``'s inverse)."""
     return (k - 1) % num_servers
-
-
-def primary_key(k: int) -> str:
-    """Where the primary of slice ``k`` publishes its process attempt."""
-    return f"ps/replica/{k}/primary"
-
-
-def backup_key(k: int) -> str:
-    """Where the backup of slice ``k`` publishes its process attempt."""
-    return f"ps/replica/{k}/backup"
-
-
-def promote_key(k: int) -> str:
-    """Set by the launcher when slice ``k``'s primary is gone for good: its backup serves it."""
-    return f"ps/promote/{k}"
-
-
-def stale_key(k: int) -> str:
-    """Set by slice ``k``'s backup when it is asked to serve the slice and holds no copy."""
-    return f"ps/promote/{k}/stale"
-
-
-def link_prefix(k: int, primary_attempt: int, backup: str) -> str:
-    """``backup``: the backup's process attempt and link generation, "ATTEMPT.GEN"."""
-    return f"ps/replica/{k}/link/p{primary_attempt}.b{backup}"
 
 
 def to_bytes(obj: Any) -> torch.Tensor:

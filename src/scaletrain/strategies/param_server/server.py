@@ -57,7 +57,7 @@ from scaletrain.io import JsonlWriter, append_jsonl, atomic_torch_save, read_jso
 from scaletrain.metrics.summary import peak_rss_bytes
 from scaletrain.schedule import lr_factor, scale_lr
 from scaletrain.strategies.param_server import consistency as rules
-from scaletrain.strategies.param_server import cuts, replica
+from scaletrain.strategies.param_server import cuts, keys, replica
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.admission import Admission
 from scaletrain.strategies.param_server.coordinator import DataCoordinator, Lease
@@ -463,18 +463,18 @@ class ShardServer:
             if self.stop.is_set():
                 return
             began = time.monotonic()
-            n = self.store.add(cuts.COUNT, 1)
+            n = self.store.add(keys.CUT_COUNT, 1)
             incarnations = self._server_incarnations()
-            self.store.set(cuts.LATEST, str(n))
+            self.store.set(keys.CUT_LATEST, str(n))
             own = self._freeze(n)
-            reports, missing = self._await_all(cuts.applied, n, incarnations)
+            reports, missing = self._await_all(keys.cut_applied, n, incarnations)
             pushes = cuts.newest([own, *(cuts.decode(r) for r in reports)]) \
                 if not missing else None  # fmt: skip
-            self.store.set(cuts.pushes(n), cuts.encode(pushes) if pushes is not None else "")
+            self.store.set(keys.cut_pushes(n), cuts.encode(pushes) if pushes is not None else "")
             state = self._copy_at(n, pushes)
             held = time.monotonic() - began
             if not missing:
-                missing = self._await_all(cuts.copied, n, incarnations)[1]
+                missing = self._await_all(keys.cut_copied, n, incarnations)[1]
             event = {"event": "cut", "server": 0, "cut": n,
                      "version": state["version"] if state else self.version,
                      "paused_s": round(held, 4)}  # fmt: skip
@@ -489,17 +489,22 @@ class ShardServer:
     def _follow_cuts(self) -> None:
         """Every server but 0: take part in each cut server 0 publishes after this
         incarnation began (one published before may be of pushes it lost)."""
-        seen = int(self.store.get(cuts.LATEST)) if self.store.check([cuts.LATEST]) else 0
+
+        def latest() -> int:
+            store, key = self.store, keys.CUT_LATEST
+            return int(store.get(key)) if store.check([key]) else 0
+
+        seen = latest()
         while not self.stop.wait(0.01):
-            if not self.store.check([cuts.LATEST]) or int(self.store.get(cuts.LATEST)) <= seen:
+            if latest() <= seen:
                 continue
-            n = seen = int(self.store.get(cuts.LATEST))
-            leader = self.store.get("ps/server0/incarnation")
-            self.store.set(cuts.applied(n, self.index), cuts.encode(self._freeze(n)))
-            text = self._await_key(cuts.pushes(n), leader)
+            n = seen = latest()
+            leader = self.store.get(keys.incarnation(0))
+            self.store.set(keys.cut_applied(n, self.index), cuts.encode(self._freeze(n)))
+            text = self._await_key(keys.cut_pushes(n), leader)
             state = self._copy_at(n, cuts.decode(text) if text else None)
             if state is not None:
-                self.store.set(cuts.copied(n, self.index), "1")
+                self.store.set(keys.cut_copied(n, self.index), "1")
                 threading.Thread(target=self._write, args=(state,), daemon=True).start()
 
     def _freeze(self, n: int) -> dict[int, tuple[int, int]]:
@@ -544,7 +549,7 @@ class ShardServer:
         )
 
     def _server_incarnations(self) -> list[bytes]:
-        return [self.store.get(f"ps/server{k}/incarnation")
+        return [self.store.get(keys.incarnation(k))
                 for k in range(self.cfg.ps.num_servers)]  # fmt: skip
 
     def _await_all(
@@ -561,7 +566,7 @@ class ShardServer:
                 if self.store.check([key(n, k)]):
                     values[k] = self.store.get(key(n, k))
                     waiting.discard(k)
-                elif self.store.get(f"ps/server{k}/incarnation") != incarnations[k]:
+                elif self.store.get(keys.incarnation(k)) != incarnations[k]:
                     return [], sorted(waiting)
             if waiting:
                 time.sleep(0.002)
@@ -574,7 +579,7 @@ class ShardServer:
         while not self.stop.is_set() and time.monotonic() < deadline:
             if self.store.check([key]):
                 return self.store.get(key)
-            if self.store.get("ps/server0/incarnation") != leader:
+            if self.store.get(keys.incarnation(0)) != leader:
                 break
             time.sleep(0.002)
         return b""
@@ -606,9 +611,9 @@ class ShardServer:
         acceptor.start()
         # Which process serves this incarnation (a taken-over slice: its backup's), for the
         # workers to hear of its death; then the incarnation the workers join.
-        self.store.set(f"ps/server{self.index}.{self.attempt}/host",
+        self.store.set(keys.server_host(self.index, self.attempt),
                        f"{self.host[0]}.{self.host[1]}")  # fmt: skip
-        self.store.set(f"ps/server{self.index}/incarnation", str(self.attempt))
+        self.store.set(keys.incarnation(self.index), str(self.attempt))
         log.info("server %d serving %d parameters (attempt %d)",
                  self.index, self.param.numel(), self.attempt)  # fmt: skip
         if self.mode in ("bsp", "ssp"):
@@ -621,8 +626,8 @@ class ShardServer:
             lead = self._lead_cuts if self.coordinator is not None else self._follow_cuts
             threading.Thread(target=lead, name="cuts", daemon=True).start()
         try:
-            while not self.store.check(["ps/finish"]):
-                if self.store.check(["ps/preempt"]):
+            while not self.store.check([keys.FINISH]):
+                if self.store.check([keys.PREEMPT]):
                     self._checkpoint_preempted()
                     return
                 time.sleep(0.1)
@@ -669,10 +674,10 @@ class ShardServer:
             state = self._state()
         if self.mode != "bsp":
             if self.coordinator is not None:
-                self.store.set(cuts.PREEMPT, str(self.store.add(cuts.COUNT, 1)))
+                self.store.set(keys.CUT_PREEMPT, str(self.store.add(keys.CUT_COUNT, 1)))
             try:
-                self.store.wait([cuts.PREEMPT])  # the store's timeout: --timeout-s
-                state["cut"] = [self.job_run, int(self.store.get(cuts.PREEMPT))]
+                self.store.wait([keys.CUT_PREEMPT])  # the store's timeout: --timeout-s
+                state["cut"] = [self.job_run, int(self.store.get(keys.CUT_PREEMPT))]
             except RuntimeError as e:  # server 0 is gone: a checkpoint of no cut
                 log.warning("server 0 named no cut for the preemption: %s", first_line(e))
         self._write(state)
@@ -681,7 +686,7 @@ class ShardServer:
             self.ledger.close()
 
     def _accept(self) -> None:
-        scope = f"ps/server{self.index}.{self.attempt}"
+        scope = keys.server_scope(self.index, self.attempt)
         key = f"{scope}/joins"  # the workers' count is key/count
         admission = Admission(self.token, scope)
         seen = 0
@@ -701,7 +706,7 @@ class ShardServer:
                 self.store.set(f"{key}/{seen}/answer", f"refused: {refused}")
                 continue
             self.store.set(f"{key}/{seen}/answer", "ok")
-            prefix = f"ps/link/s{self.index}.{self.attempt}/w{worker}.{worker_attempt}"
+            prefix = keys.worker_link(self.index, self.attempt, worker, worker_attempt)
             name = f"worker{worker}.{worker_attempt}"
             threading.Thread(target=self._handle, args=(worker, worker_attempt, prefix),
                              daemon=True, name=name).start()  # fmt: skip

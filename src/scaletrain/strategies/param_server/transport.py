@@ -55,15 +55,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scaletrain.strategies.param_server.keys import death as death_key
+
 HEADER = 10
 # How often a wait on a link checks whether its peer is known dead.
 WATCH_S = 0.5
-
-
-def death_key(rank: int, attempt: int) -> str:
-    """The store key the launcher sets (to the cause) when process ``rank``'s ``attempt``
-    dies."""
-    return f"ps/dead/{rank}.{attempt}"
 
 
 class LinkError(RuntimeError):

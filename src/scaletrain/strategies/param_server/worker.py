@@ -41,6 +41,7 @@ from scaletrain.strategies.base import (
     Strategy,
     model_bytes,
 )
+from scaletrain.strategies.param_server import keys
 from scaletrain.strategies.param_server import transport as tp
 from scaletrain.strategies.param_server.admission import JoinRefused, join_record
 from scaletrain.strategies.param_server.consistency import shard_ranges, total_updates
@@ -173,11 +174,11 @@ class PSWorkerStrategy(Strategy):
         # Tried: if it dies before the link is made, the next attempt waits for its successor.
         self.incarnation[k] = inc
         peer = (self.num_workers + k, inc)
-        host = f"ps/server{k}.{inc}/host"  # the process serving it (a backup's, taken over)
+        host = keys.server_host(k, inc)  # the process serving it (a backup's, taken over)
         if self.store.check([host]):
             rank, attempt = self.store.get(host).decode().split(".")
             peer = (int(rank), int(attempt))
-        scope = f"ps/server{k}.{inc}"
+        scope = keys.server_scope(k, inc)
         base = f"{scope}/joins"
         n = self.store.add(f"{base}/count", 1)
         self.store.set(f"{base}/{n}", join_record(self.token, scope, self.worker, self.attempt))
@@ -189,7 +190,7 @@ class PSWorkerStrategy(Strategy):
                 "(give every node the same --join-token-file)"
             )
         try:
-            link = tp.Link(self.new_store(), f"ps/link/s{k}.{inc}/w{self.worker}.{self.attempt}",
+            link = tp.Link(self.new_store(), keys.worker_link(k, inc, self.worker, self.attempt),
                            server_side=False, timeout_s=self.cfg.launch.timeout_s,
                            peer=peer)  # fmt: skip
         except tp.PeerDied:
@@ -226,7 +227,7 @@ class PSWorkerStrategy(Strategy):
         worker did (imports, the task), and on a loaded host that can take longer than
         --timeout-s; if it dies, the launcher restarts it or ends the job, and this worker
         with it. A restarted one must come back within --timeout-s."""
-        key = f"ps/server{k}/incarnation"
+        key = keys.incarnation(k)
         failed = self.incarnation.get(k)
         deadline = time.monotonic() + self.cfg.launch.timeout_s
         while True:
