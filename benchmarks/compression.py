@@ -111,6 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     flags = job_flags(args)
     verdicts = []
+    speedups: dict[str, float] = {}
     print(
         "model: mlp width 256 (4.2M parameters, 16.8 MB fp32 gradients), 2 workers, "
         f"batch {args.batch_size} per worker, mean over {args.steady_steps} steady steps"
@@ -139,12 +140,18 @@ def main() -> None:
               f"blocked on communication f = {f:.0%}")  # fmt: skip
         print(f"{'method':<10} {'step ms':>8} {'MB/step':>8} {'c':>7} {'speedup':>8} "
               f"{'bound':>7} {'of bound':>8}")  # fmt: skip
+        table = []
         for method, row in rows.items():
             c = base["bytes"] / row["bytes"] if row["bytes"] else float("inf")
             speedup = base["step_s"] / row["step_s"]
             bound = amdahl(f, c)
             print(f"{method:<10} {row['step_s'] * 1e3:8.0f} {row['bytes'] / 1e6:8.2f} {c:7.1f} "
                   f"{speedup:8.2f} {bound:7.2f} {speedup / bound:8.0%}")  # fmt: skip
+            step_ms, mb = f"{row['step_s'] * 1e3:.0f}", f"{row['bytes'] / 1e6:.2f}"
+            table.append([method, step_ms, mb, f"{c:.1f}", f"{speedup:.2f}x", f"{bound:.2f}x",
+                          f"{speedup / bound:.0%}"])  # fmt: skip
+            if network == "100mbit" and method in ("powersgd", "local_sgd"):
+                speedups[method] = speedup
             if network == "100mbit" and method == "powersgd":
                 ok = speedup >= 0.8 * bound
                 pairs = zip(runs["none"], runs["powersgd"], strict=True)
@@ -154,8 +161,19 @@ def main() -> None:
                     f"80%): {FLOORS.check('PowerSGD at 100 Mbit/s >= 80% of Amdahl', ok)}; "
                     "per repeat: " + ", ".join(f"{e:.0%}" for e in each)
                 )
+        FLOORS.table(
+            f"{network}: the uncompressed step {base['step_s'] * 1e3:.0f} ms, f = {f:.0%} of it "
+            "blocked on communication",
+            ["method", "step ms", "MB a step", "c (fewer bytes)", "speedup", "Amdahl bound",
+             "of the bound"], table,
+        )  # fmt: skip
     for line in verdicts:
         print("\n" + line)
+    if len(speedups) == 2:
+        FLOORS.headline(
+            "gradients over 100 Mbit/s: PowerSGD rank 4, local SGD H=8, against plain DDP",
+            f"{speedups['powersgd']:.1f}x, {speedups['local_sgd']:.1f}x the steps per second",
+        )
     FLOORS.finish()
 
 

@@ -212,6 +212,16 @@ def main() -> None:
               f"{r.get('cut_stall_s', 0):>10.1f}s {r.get('power_off_stall_s', 0):>16.1f}s"
               f" {r.get('wall_s', 0):>6.0f}s {r.get('world_at_end', '-'):>13} "
               f"{str(r.get('exactly_once', '-')):>5}")  # fmt: skip
+    FLOORS.table(
+        f"{args.hosts} emulated hosts x {args.workers_per_host} workers over {args.rate} links: "
+        "a host's cable cut at step 10 for 10 s, then a host powered off",
+        ["mode", "processes", "to step 10", "cable cut: longest stall",
+         "power-off: longest stall", "wall", "world at the end", "every sample once"],
+        [[r["mode"], r["processes"], f"{r.get('first_steps_s', 0):.1f} s",
+          f"{r.get('cut_stall_s', 0):.1f} s", f"{r.get('power_off_stall_s', 0):.1f} s",
+          f"{r.get('wall_s', 0):.0f} s", r.get("world_at_end", "-"),
+          "yes" if r.get("exactly_once") else "NO"] for r in rows],
+    )  # fmt: skip
     print(f"\nrun directories: {root}")
     FLOORS.finish()
 

@@ -99,6 +99,7 @@ def recovery_times(tmp: Path, repeats: int) -> None:
     }
     print("failure -> resumed, restart mode (median over repeats)")
     print(f"{'fault':<22} {'detected_s':>8} {'resumed_s':>10} {'total_s':>8}  floor")
+    table: list[list[object]] = []
     for name, extra in faults.items():
         rows: list[tuple[float, float]] = []
         for i in range(repeats):
@@ -112,6 +113,7 @@ def recovery_times(tmp: Path, repeats: int) -> None:
         verdict = (f"<= 10 s: {FLOORS.check(f'{name}: failure to resumed <= 10 s', total <= 10)}"
                    if "kill" in name else "-")  # fmt: skip
         print(f"{name:<22} {detected:8.2f} {resumed:10.2f} {total:8.2f}  {verdict}")
+        table.append([name, f"{detected:.2f}", f"{resumed:.2f}", f"{total:.2f} s", verdict])
     # In place: plain, with the gradient all-reduce in fp16 (--compression fp16), local SGD and
     # DiLoCo (rounds of 8 steps, an epoch's last of 7: the kill lands in steps 24-31), and
     # HSDP (2 groups of 2: 4 workers of 16, the same global batch).
@@ -142,6 +144,8 @@ def recovery_times(tmp: Path, repeats: int) -> None:
         total = detected + resumed
         verdict = FLOORS.check(f"{name}: failure to resumed <= 2 s", total <= 2)
         print(f"{name:<22} {detected:8.2f} {resumed:10.2f} {total:8.2f}  <= 2 s: {verdict}")
+        table.append([name, f"{detected:.2f}", f"{resumed:.2f}", f"{total:.2f} s",
+                      f"<= 2 s: {verdict}"])  # fmt: skip
         if rejoins:
             print(f"  the restarted rank rejoined {statistics.median(rejoins):.1f} s after its "
                   f"relaunch ({len(rejoins)}/{repeats} runs; most of it a fresh Python "
@@ -157,6 +161,19 @@ def recovery_times(tmp: Path, repeats: int) -> None:
                 "(its samples trained again by the next round)"
             )
 
+    FLOORS.table(
+        f"a rank killed (or hung) before step 30, 2 workers, digits CNN; medians of {repeats}",
+        ["fault (recovery)", "detected s", "resumed s", "failure to resumed", "floor"], table,
+        "restart: the group restarts from the checkpoint of step 30 (--checkpoint-every 10); "
+        "in place: the survivors' next quorum forms without the dead replica, which rejoins "
+        "later and heals from a peer.",
+    )  # fmt: skip
+    totals = {row[0]: row[3] for row in table}
+    FLOORS.headline(
+        "a SIGKILLed worker, in place (torchft) against restart from a checkpoint",
+        f"{totals['kill (inplace)']} against {totals['kill (restart)']} to training again",
+    )
+
 
 def ps_server_kill(tmp: Path, repeats: int) -> None:
     """The parameter server's restart path: server 1 of 2 (3 workers) SIGKILLed before its
@@ -171,6 +188,7 @@ def ps_server_kill(tmp: Path, repeats: int) -> None:
           "(median over repeats)")  # fmt: skip
     print(f"{'mode':<8} {'from':<11} {'restored_s':>10} {'next_update_s':>13} "
           f"{'lost updates':>12}  floor")  # fmt: skip
+    table: list[list[object]] = []
     for mode, flags in {"asp": ["asp"], "ssp(2)": ["ssp", "--staleness", "2"],
                         "bsp": ["bsp"]}.items():  # fmt: skip
         for source, extra in [
@@ -195,8 +213,18 @@ def ps_server_kill(tmp: Path, repeats: int) -> None:
                                    nxt <= 2)  # fmt: skip
             print(f"{mode:<8} {source:<11} {restored:10.2f} {nxt:13.2f} {lost:12.0f}  "
                   f"<= 2 s: {verdict}")  # fmt: skip
+            table.append([mode, source, f"{restored:.2f} s", f"{nxt:.2f} s", f"{lost:.0f}",
+                          f"<= 2 s: {verdict}"])  # fmt: skip
             if source != "checkpoint" and lost:
                 FLOORS.check(f"ps {mode} from its backup: no update lost", False)
+    FLOORS.table(
+        f"a parameter server's server 1 of 2 killed before its 25th update; medians of {repeats}",
+        ["mode", "the slice from", "kill to restored", "kill to next update", "updates lost",
+         "floor"], table,
+        "3 workers, the CNN, --checkpoint-every 10. From its checkpoint the slice loses the "
+        "updates since; from its backup (--ps-replicas 1) none; taken over: no restart left, "
+        "the backup's process serves the slice.",
+    )  # fmt: skip
 
 
 def heal_throughput(tmp: Path, repeats: int) -> None:
@@ -207,6 +235,7 @@ def heal_throughput(tmp: Path, repeats: int) -> None:
     summary.json's recovery: the bytes healed and the copy's time (the transport's receive,
     within the healing quorum). No floor: the anchor is torchft's process-group transport,
     about 2.2 GB/s."""
+    table: list[list[object]] = []
     for name, extra in {
         "ddp": [],
         "diloco": ["--strategy", "diloco", "--sync-every", "4"],
@@ -231,6 +260,15 @@ def heal_throughput(tmp: Path, repeats: int) -> None:
             f"{healed / seconds / 1e9:.2f} GB/s (torchft's process-group transport: about "
             "2.2 GB/s)"
         )
+        rate = f"{healed / seconds / 1e9:.2f} GB/s"
+        table.append([name, f"{healed / 1e6:.0f} MB", f"{seconds:.2f} s", rate,
+                      f"{len(rows)} of {repeats}"])  # fmt: skip
+    FLOORS.table(
+        "a restarted replica heals from a live peer (mlp width 1024: 17M parameters); medians",
+        ["in place", "copied", "in", "rate", "runs that rejoined"], table,
+        "torchft's HTTP checkpoint transport; no floor (its process-group transport is "
+        "reported at about 2.2 GB/s).",
+    )  # fmt: skip
 
 
 def checkpoint_overhead(tmp: Path, repeats: int) -> None:
@@ -254,6 +292,7 @@ def checkpoint_overhead(tmp: Path, repeats: int) -> None:
     )
     print(f"{'mode':<13} {'wall_s':>7} {'blocked/ckpt ms':>15} {'blocked share':>13} "
           f"{'slowdown':>9}  floor")  # fmt: skip
+    table: list[list[object]] = []
     for mode, summaries in results.items():
         base = results[f"{mode.split()[0]} none" if " " in mode else "none"]
         base_wall = statistics.median(s["wall_s"] for s in base)
@@ -266,6 +305,14 @@ def checkpoint_overhead(tmp: Path, repeats: int) -> None:
                    if mode.endswith("async") else "")  # fmt: skip
         print(f"{mode:<13} {wall:7.2f} {per_ckpt:15.1f} {share:13.1%} "
               f"{wall / base_wall - 1:+9.1%}  {verdict}")  # fmt: skip
+        table.append([mode, f"{wall:.2f} s", f"{per_ckpt:.1f} ms", f"{share:.1%}",
+                      f"{wall / base_wall - 1:+.1%}", verdict])  # fmt: skip
+    FLOORS.table(
+        f"checkpoints every 10 steps, 200 steps; medians of {repeats}",
+        ["mode", "wall", "blocked a checkpoint", "blocked share", "against none", "floor"],
+        table, "In place one replica writes each checkpoint; the slowdown is against the same "
+        "mode without checkpoints, within the noise of a shared host.",
+    )  # fmt: skip
 
 
 def main() -> None:

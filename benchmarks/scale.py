@@ -428,7 +428,7 @@ def check_predictions(root: Path, worlds: list[int], modes: list[str]) -> list[d
     return rows
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="1,2,4,8,16,32")
     parser.add_argument("--modes", default=",".join(MODES))
@@ -442,12 +442,12 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=None,
                         help="processes killed per run with failures (3, 4, 4)")  # fmt: skip
     parser.add_argument("--out", default=str(REPO / "runs" / "scale"))
-    args = parser.parse_args()
-    root = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
-    worlds = [int(w) for w in args.worlds.split(",")]
+    return parser.parse_args()
+
+
+def sweep(args: argparse.Namespace, root: Path, worlds: list[int]) -> list[dict[str, Any]]:
+    """Every mode at every W without failures: a row each, its floors checked."""
     rows: list[dict[str, Any]] = []
-    print(f"sleeping device: {args.device_ms:g} ms per sample forward, twice that backward; "
-          f"runs under {root}", flush=True)  # fmt: skip
     for mode in args.modes.split(","):
         for w in worlds:
             overrides = MODES[mode](w)
@@ -469,6 +469,15 @@ def main() -> None:
                   f"{row.get('overhead_ms', math.nan):.1f}), finish {row['finish_s']:.1f} s, "
                   f"{row['peak_rss_mb']:.0f} MB, {row['open_fds']} fds; once per epoch: "
                   f"{'yes' if once else 'NO'}", flush=True)  # fmt: skip
+    FLOORS.table(
+        f"every mode at each W, no failure ({args.device_ms:g} ms a sample on a sleeping device)",
+        ["mode", "W", "launch to first step", "step", "compute", "communication", "overhead",
+         "finish", "peak RSS", "open fds"],
+        [[r["mode"], r["W"], f"{r['launch_to_first_step_s']:.1f} s",
+          *(f"{r.get(c, math.nan):.1f} ms" for c in ("step_ms", "compute_ms", "comm_ms",
+                                                     "overhead_ms")),
+          f"{r['finish_s']:.1f} s", f"{r['peak_rss_mb']:.0f} MB", r["open_fds"]] for r in rows],
+    )  # fmt: skip
     table = Path(args.out) / "scale.csv"
     table.parent.mkdir(parents=True, exist_ok=True)
     with table.open("w", newline="") as f:
@@ -477,9 +486,14 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     print(f"\ntable: {table}")
+    return rows
+
+
+def judge_growths(modes: list[str], rows: list[dict[str, Any]]) -> None:
     print(f"\ngrowth from W=8 to the largest (exponent k of W^k; a floor at {GROWTH_FLOOR} for "
           "start-up, step and recovery, unless the run saturated the cores):")  # fmt: skip
-    for mode in args.modes.split(","):
+    grown = []
+    for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         largest = max(mine, key=lambda r: r["W"], default=None)
         judged = {
@@ -491,36 +505,75 @@ def main() -> None:
         shown += [f"{c} {k:.2f}" for c, k in seen.items() if k is not None]
         if shown:
             print(f"  {mode}: {', '.join(shown)}")
+            exponents = [f"{k:.2f}" if k is not None else "-" for k in seen.values()]
+            grown.append([mode, *(judged[c] or "-" for c in judged), *exponents])
+    FLOORS.table(
+        f"growth from W=8 to the largest: the exponent k of W^k (floor {GROWTH_FLOOR} for "
+        "start-up and step, unless the run kept the cores busy)",
+        ["mode", "start-up", "step", "overhead", "finish", "peak RSS", "open fds"], grown,
+    )  # fmt: skip
+
+
+def failure_runs(args: argparse.Namespace, root: Path) -> None:
+    """Runs with failures at each of --fault-worlds: each recovers and trains every sample
+    once; the time back to training judged for its growth with W."""
+    print("\nfailures (each run: where it recovered, and every sample once per epoch):")
+    recovered: dict[str, list[dict[str, Any]]] = {}
+    failures = []
+    for w in [int(x) for x in args.fault_worlds.split(",")]:
+        for name, overrides in fault_runs(w, args.kills).items():
+            if name not in args.fault_modes.split(","):
+                continue
+            out = root / f"faults-{name}-w{w}"
+            checked = run_checked(out, f"{name} with failures", w, overrides, args.device_ms)
+            if checked is None:
+                continue
+            summary, once = checked
+            recs = summary["recoveries"]
+            detected = [r.get("detected_s") for r in recs if r.get("detected_s") is not None]
+            resumed = [r.get("resumed_s") for r in recs if r.get("resumed_s") is not None]
+            longest = [max(x, default=math.nan) for x in (detected, resumed)]
+            goodput = f"{summary.get('goodput') or 0:.0%}"
+            print(f"  {name:>8} W={w:<3} {len(recs)} recoveries; detected in "
+                  f"{longest[0]:.1f} s at most, training again {longest[1]:.1f} s later at "
+                  f"most; goodput {goodput}; once per epoch: {'yes' if once else 'NO'}",
+                  flush=True)  # fmt: skip
+            failures.append([name, w, len(recs), *(f"{x:.1f} s" for x in longest), goodput,
+                             "yes" if once else "NO"])  # fmt: skip
+            recovered.setdefault(name, []).append(
+                {"W": w, "resumed_s": max(resumed, default=None),
+                 "cores_busy": summary.get("cores_busy")})  # fmt: skip
+    FLOORS.table(
+        "runs with failures: the longest detection and return to training",
+        ["recovery", "W", "recoveries", "detected", "training again", "goodput",
+         "every sample once"], failures,
+    )  # fmt: skip
+    for name, runs in recovered.items():
+        largest = max(runs, key=lambda r: r["W"])
+        shown = judge_growth(f"{name}'s recovery", growth(runs, "resumed_s"), largest)
+        if shown:
+            print(f"  {name}: the death to training again grows as W^{shown}")
+
+
+def main() -> None:
+    args = parse_args()
+    root = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"sleeping device: {args.device_ms:g} ms per sample forward, twice that backward; "
+          f"runs under {root}", flush=True)  # fmt: skip
+    rows = sweep(args, root, worlds)
+    judge_growths(args.modes.split(","), rows)
     if args.fault_worlds:
-        print("\nfailures (each run: where it recovered, and every sample once per epoch):")
-        recovered: dict[str, list[dict[str, Any]]] = {}
-        for w in [int(x) for x in args.fault_worlds.split(",")]:
-            for name, overrides in fault_runs(w, args.kills).items():
-                if name not in args.fault_modes.split(","):
-                    continue
-                out = root / f"faults-{name}-w{w}"
-                checked = run_checked(out, f"{name} with failures", w, overrides, args.device_ms)
-                if checked is None:
-                    continue
-                summary, once = checked
-                recs = summary["recoveries"]
-                detected = [r.get("detected_s") for r in recs if r.get("detected_s") is not None]
-                resumed = [r.get("resumed_s") for r in recs if r.get("resumed_s") is not None]
-                print(f"  {name:>8} W={w:<3} {len(recs)} recoveries; detected in "
-                      f"{max(detected, default=math.nan):.1f} s at most, training again "
-                      f"{max(resumed, default=math.nan):.1f} s later at most; goodput "
-                      f"{summary.get('goodput') or 0:.0%}; once per epoch: "
-                      f"{'yes' if once else 'NO'}", flush=True)  # fmt: skip
-                recovered.setdefault(name, []).append(
-                    {"W": w, "resumed_s": max(resumed, default=None),
-                     "cores_busy": summary.get("cores_busy")})  # fmt: skip
-        for name, runs in recovered.items():
-            largest = max(runs, key=lambda r: r["W"])
-            shown = judge_growth(f"{name}'s recovery", growth(runs, "resumed_s"), largest)
-            if shown:
-                print(f"  {name}: the death to training again grows as W^{shown}")
+        failure_runs(args, root)
     predicted = check_predictions(root, worlds, args.modes.split(","))
     if predicted:
+        FLOORS.table(
+            "the cost model, calibrated from ddp at W=1 and a probe of the host, against the "
+            "measured mean step",
+            ["mode", "W", "predicted", "measured", "ratio"],
+            [[r["mode"], r["W"], f"{r['predicted_ms']:.1f} ms", f"{r['measured_ms']:.1f} ms",
+              f"{r['ratio']:.2f}"] for r in predicted],
+        )  # fmt: skip
         with (Path(args.out) / "predict.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(predicted[0]))
             writer.writeheader()
@@ -538,6 +591,15 @@ def main() -> None:
             f"\n32 workers x 2 vs 1 worker x 64: max weight difference {diff:.2e} "
             f"{FLOORS.check('32 x 2 equals 1 x 64 within 1e-5', diff <= 1e-5)}"
         )
+        FLOORS.headline("32 workers x batch 2 against 1 worker x batch 64, final weights",
+                        f"{diff:.1e} apart (floor 1e-5)")  # fmt: skip
+    met = FLOORS.checked - len(FLOORS.missed)
+    FLOORS.headline(
+        f"every mode at {min(worlds)} to {max(worlds)} processes, failures at "
+        f"{args.fault_worlds or 'none'}, every sample once per epoch",
+        f"{met} of {FLOORS.checked} floors met"
+        + (f" (missed: {'; '.join(FLOORS.missed)})" if FLOORS.missed else ""),
+    )
     FLOORS.finish()
 
 
