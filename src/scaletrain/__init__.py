@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
-from scaletrain.config import RunConfig  # noqa: E402
+from scaletrain.config import RunConfig
+from scaletrain.version import __version__
 
 if TYPE_CHECKING:
     from scaletrain.task import Task

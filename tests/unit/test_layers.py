@@ -19,7 +19,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "scaletrain"
 
 # Top to bottom. "scaletrain" is the package's own __init__ (the public API: RunConfig, Task,
-# run); "__version__" the one constant modules take from it.
+# run); "version" holds __version__, which any layer may read.
 LAYERS: list[set[str]] = [
     {"scaletrain", "__main__", "cli"},
     {"analysis"},
@@ -38,7 +38,7 @@ LAYERS: list[set[str]] = [
         "netns",
         "schedule",
     },
-    {"config", "io", "registry", "env", "__version__"},
+    {"config", "io", "registry", "env", "version"},
 ]
 LAYER = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
 
@@ -77,8 +77,6 @@ def imports(module: str) -> set[str]:
                 name = f"{base}.{alias.name}"
                 if name in MODULES:
                     out.add(name)
-                elif base == "scaletrain" and alias.name == "__version__":
-                    out.add("scaletrain.__version__")
                 else:
                     out.add(base)
     return out - {module}
@@ -88,8 +86,6 @@ GRAPH = {m: imports(m) for m in MODULES}
 
 
 def layer_of(module: str) -> int:
-    if module == "scaletrain.__version__":
-        return LAYER["__version__"]
     return LAYER[unit(module)]
 
 

@@ -112,7 +112,7 @@ def accuracy(counts: list[tuple[float, float]]) -> float | None:
 
 def run_info(cfg: Any, *, data_world_size: int, steps_per_epoch: int | None) -> dict[str, Any]:
     """summary.json's description of the run, the same in every mode."""
-    from scaletrain import __version__
+    from scaletrain.version import __version__
 
     return {
         "strategy": cfg.train.strategy,
