@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed import TCPStore
 
 from scaletrain.config import from_dict
-from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server import transport as wire
 from scaletrain.strategies.param_server.admission import JoinRefused, join_record
 from scaletrain.strategies.param_server.server import ShardServer
 
@@ -57,29 +57,30 @@ class Worker:
             raise JoinRefused(answer)
         self.worker, self.attempt, self.server = worker, attempt, server
         self.clock, self.numel = clock, numel  # pushes so far (what a HELLO claims)
-        self.link = tp.Link(client(port), f"ps/link/s{server}.{inc}/w{worker}.{attempt}",
+        self.link = wire.Link(client(port), f"ps/link/s{server}.{inc}/w{worker}.{attempt}",
                             server_side=False, timeout_s=30)  # fmt: skip
         _WORKERS.append(self)
 
     def close(self) -> None:
         """Leave as the worker strategy does at the end: DONE, so the server's handler returns."""
         with contextlib.suppress(RuntimeError):  # the server may be gone already
-            self.link.send(tp.header(kind=tp.Kind.DONE, worker=self.worker, attempt=self.attempt))
+            done = wire.header(kind=wire.Kind.DONE, worker=self.worker, attempt=self.attempt)
+            self.link.send(done)
 
     def _reply(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        head = torch.zeros(tp.HEADER, dtype=torch.int64)
+        head = torch.zeros(wire.HEADER, dtype=torch.int64)
         params, lease = torch.zeros(self.numel), torch.zeros(BATCH, dtype=torch.int64)
         self.link.recv(head, params, *([lease] if self.server == 0 else []))
-        return head, params, lease[: int(head[tp.LEASE_LEN])].tolist()
+        return head, params, lease[: int(head[wire.LEASE_LEN])].tolist()
 
     def hello(self):
-        self.link.send(tp.header(kind=tp.Kind.HELLO, worker=self.worker, attempt=self.attempt,
+        self.link.send(wire.header(kind=wire.Kind.HELLO, worker=self.worker, attempt=self.attempt,
                                  clock=self.clock))  # fmt: skip
         return self._reply()
 
     def push(self, step: int, grad: list[float], num_samples: int):
         self.clock += 1
-        head = tp.header(kind=tp.Kind.PUSH, step=step, num_samples=num_samples,
+        head = wire.header(kind=wire.Kind.PUSH, step=step, num_samples=num_samples,
                          worker=self.worker, attempt=self.attempt, clock=self.clock)  # fmt: skip
         self.link.send(head)
         self.link.send(torch.tensor(grad), first_tag=1)
@@ -183,8 +184,8 @@ def test_a_joiner_without_the_token_is_refused_and_gets_no_link(tmp_path):
     store.wait([f"ps/server0.0/joins/{n}/answer"])
     assert store.get(f"ps/server0.0/joins/{n}/answer") == b"ok"
     # Admitted: connect its link, as the worker would, and leave.
-    link = tp.Link(client(store.port), "ps/link/s0.0/w0.0", server_side=False, timeout_s=30)
-    link.send(tp.header(kind=tp.Kind.DONE, worker=0, attempt=0))
+    link = wire.Link(client(store.port), "ps/link/s0.0/w0.0", server_side=False, timeout_s=30)
+    link.send(wire.header(kind=wire.Kind.DONE, worker=0, attempt=0))
     n = store.add("ps/server0.0/joins/count", 1)
     store.set(f"ps/server0.0/joins/{n}", good)
     store.wait([f"ps/server0.0/joins/{n}/answer"])
@@ -192,7 +193,7 @@ def test_a_joiner_without_the_token_is_refused_and_gets_no_link(tmp_path):
     assert record.split(":")[:2] == ["1", "0"]
     # The refused worker never became a member: the token holder is served alone.
     head, params, lease = Worker(store.port, 0, attempt=1).hello()
-    assert int(head[tp.STATUS]) == tp.Status.OK and params.tolist() == [1.0, 1.0]
+    assert int(head[wire.STATUS]) == wire.Status.OK and params.tolist() == [1.0, 1.0]
     assert [e["worker"] for e in events(tmp_path) if e["event"] == "joined"] == [0]
     store.set("ps/finish", "1")
 
@@ -209,8 +210,8 @@ def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
 
     # a pushes step 1; b stays silent: a's reply comes once the barrier times out.
     head, params, next_a = a.push(1, [1.0, 3.0], BATCH)
-    assert int(head[tp.STATUS]) == tp.Status.OK and int(head[tp.VERSION]) == 1
-    assert int(head[tp.HELD_US]) >= 0.9e6  # held for the barrier timeout
+    assert int(head[wire.STATUS]) == wire.Status.OK and int(head[wire.VERSION]) == 1
+    assert int(head[wire.HELD_US]) >= 0.9e6  # held for the barrier timeout
     assert params.tolist() == [0.0, -2.0]  # 1 - lr * a's gradient alone
     assert next_a == lease_b  # b's batch, requeued, is dealt first
     [lost] = [e for e in events(tmp_path) if e["event"] == "worker_lost"]
@@ -218,7 +219,7 @@ def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
 
     # b's late push of step 1 is refused, and applies nothing.
     head, _, _ = b.push(1, [100.0, 100.0], BATCH)
-    assert int(head[tp.STATUS]) == tp.Status.DROPPED and int(head[tp.VERSION]) == 1
+    assert int(head[wire.STATUS]) == wire.Status.DROPPED and int(head[wire.VERSION]) == 1
 
     # b joins again: it waits for the next step, which a's push of step 2 closes. a pushes
     # only once the server holds b's hello: pushed first, step 2 would close without b and
@@ -228,9 +229,9 @@ def test_bsp_drops_a_silent_worker_after_the_barrier_timeout(tmp_path):
     head, params, next_a = a.push(2, [0.0, 1.0], BATCH)
     tb.join(30)
     head_b, params_b, lease_b3 = again["v"]
-    assert int(head[tp.VERSION]) == int(head_b[tp.VERSION]) == 2
+    assert int(head[wire.VERSION]) == int(head_b[wire.VERSION]) == 2
     assert params.tolist() == params_b.tolist() == [0.0, -3.0]
-    assert int(head[tp.LEASE_STEP]) == int(head_b[tp.LEASE_STEP]) == 3
+    assert int(head[wire.LEASE_STEP]) == int(head_b[wire.LEASE_STEP]) == 3
     assert len(next_a) == len(lease_b3) == BATCH and not set(next_a) & set(lease_b3)
     store.set("ps/finish", "1")
 
@@ -241,20 +242,20 @@ def test_ssp_holds_a_worker_that_is_too_far_ahead_until_the_slowest_catches_up(t
     _, _, lease_a = a.hello()
     _, _, lease_b = b.hello()
     head, _, lease_a = a.push(1, [1.0, 1.0], BATCH)  # a: 1 step done, b: 0; within 1
-    assert int(head[tp.STATUS]) == tp.Status.OK and int(head[tp.STALENESS]) == 0
+    assert int(head[wire.STATUS]) == wire.Status.OK and int(head[wire.STALENESS]) == 0
     held, second = in_thread(a.push, 2, [1.0, 1.0], BATCH)  # a would be 2 ahead: held
     wait_for(server, lambda s: s.clocks.get(0) == 2)  # a's second update is applied
     head_b, _, _ = b.push(1, [1.0, 1.0], BATCH)  # b catches up to 1: a may go on
-    assert int(head_b[tp.STALENESS]) == 2  # b's gradient was computed before a's two updates
+    assert int(head_b[wire.STALENESS]) == 2  # b's gradient was computed before a's two updates
     held.join(30)
     head, params, _ = second["v"]
     # a's reply carries version 3: it was held until b's update, not answered at version 2.
-    assert int(head[tp.VERSION]) == 3 and int(head[tp.HELD_US]) > 0
+    assert int(head[wire.VERSION]) == 3 and int(head[wire.HELD_US]) > 0
     # 1 - 3 updates of gradient 1, each at lr 1 / (1 + its staleness) (the default rule):
     # a's two (staleness 0, and as its header says), b's (2).
-    stale_a = int(head[tp.STALENESS])
+    stale_a = int(head[wire.STALENESS])
     assert params.tolist() == pytest.approx([1 - 1 - 1 / (1 + stale_a) - 1 / 3] * 2)
-    assert tp.bits_float(int(head[tp.LR_FACTOR])) == 1 / (1 + stale_a)  # exactly
+    assert wire.bits_float(int(head[wire.LR_FACTOR])) == 1 / (1 + stale_a)  # exactly
     store.set("ps/finish", "1")
 
 
@@ -278,7 +279,7 @@ def test_ssp_counts_a_worker_that_has_not_joined_yet_as_the_slowest(tmp_path):
     b.push(1, [1.0, 1.0], BATCH)
     held.join(30)
     head, _, _ = second["v"]
-    assert int(head[tp.HELD_US]) > 0
+    assert int(head[wire.HELD_US]) > 0
     store.set("ps/finish", "1")
 
 
@@ -296,11 +297,11 @@ def test_a_restarted_server_holds_rejoining_workers_by_their_own_clocks(tmp_path
     held, reply = in_thread(a.push, 1, [1.0], BATCH)  # a would be 2 ahead of b: held
     wait_for(server, lambda s: s.clocks.get(0) == 5)
     head_b, _, _ = b.push(1, [1.0], BATCH)
-    assert int(head_b[tp.REPLY_CLOCK]) == 4
+    assert int(head_b[wire.REPLY_CLOCK]) == 4
     held.join(30)
     head, _, _ = reply["v"]
     # a's reply was built after b's update: it was held, not answered at version 1.
-    assert int(head[tp.VERSION]) == 2 and int(head[tp.REPLY_CLOCK]) == 5
+    assert int(head[wire.VERSION]) == 2 and int(head[wire.REPLY_CLOCK]) == 5
     store.set("ps/finish", "1")
 
 
@@ -315,15 +316,15 @@ def test_a_worker_the_launcher_says_died_is_left_but_not_its_restarted_process(t
     new = Worker(store.port, 0, attempt=1)  # the restart rejoins while the old link is open
     new.hello()
     wait_for(server, lambda s: s.sessions.get(0) == 1)
-    store.set(tp.death_key(0, 0), "killed by SIGKILL")
+    store.set(wire.death_key(0, 0), "killed by SIGKILL")
     # The old process's handler ends (its thread is named after worker and attempt).
     wait_for(server, lambda _: "worker0.0" not in {t.name for t in threading.enumerate()})
     assert not [e for e in events(tmp_path) if e["event"] == "worker_lost"]
     head, _, _ = new.push(1, [1.0, 1.0], BATCH)  # still a member: applied, committed
-    assert int(head[tp.STATUS]) == tp.Status.OK and int(head[tp.COMMITTED]) == 1
+    assert int(head[wire.STATUS]) == wire.Status.OK and int(head[wire.COMMITTED]) == 1
 
     # The other worker's death, with no restart: it is left at once, its lease requeued.
-    store.set(tp.death_key(1, 0), "killed by SIGKILL")
+    store.set(wire.death_key(1, 0), "killed by SIGKILL")
     wait_for(server, lambda s: 1 not in s.live)
     [lost] = [e for e in events(tmp_path) if e["event"] == "worker_lost"]
     assert lost["worker"] == 1 and lost["how"] == "died" and lost["requeued"] == BATCH
@@ -346,7 +347,7 @@ def test_a_bsp_step_waits_for_workers_that_have_not_joined_this_server_yet(tmp_p
     late.hello()
     head, params, _ = late.push(1, [3.0], BATCH)
     pushing.join(30)
-    assert int(head[tp.COMMITTED]) and int(first["v"][0][tp.COMMITTED])
+    assert int(head[wire.COMMITTED]) and int(first["v"][0][wire.COMMITTED])
     # SGD lr 1 from 1.0 by the mean of 1.0 and 3.0 (2 samples each): 1.0 - 2.0.
     assert params.tolist() == [-1.0] and first["v"][1].tolist() == [-1.0]
 
@@ -425,18 +426,18 @@ def test_a_push_sent_again_after_a_server_death_is_applied_once(tmp_path):
     a = Worker(store.port, 0)
     a.hello()
     head, params, _ = a.push(1, [1.0, 2.0], BATCH)
-    assert int(head[tp.VERSION]) == 1 and params.tolist() == [0.0, -1.0]
+    assert int(head[wire.VERSION]) == 1 and params.tolist() == [0.0, -1.0]
     a.clock -= 1  # the same push (same attempt, same clock) again
     head, params, _ = a.push(1, [1.0, 2.0], BATCH)
-    assert int(head[tp.VERSION]) == 1 and params.tolist() == [0.0, -1.0]
-    assert int(head[tp.COMMITTED]) == 1
+    assert int(head[wire.VERSION]) == 1 and params.tolist() == [0.0, -1.0]
+    assert int(head[wire.COMMITTED]) == 1
     head, params, _ = a.push(2, [1.0, 1.0], BATCH)  # the next one is new (1 update stale)
-    assert int(head[tp.VERSION]) == 2 and params.tolist() == [-0.5, -1.5]
+    assert int(head[wire.VERSION]) == 2 and params.tolist() == [-0.5, -1.5]
     # A restarted worker process counts its pushes anew: its clock 1 is a new push.
     b = Worker(store.port, 0, attempt=1, clock=0)
     b.hello()
     head, params, _ = b.push(3, [1.0, 1.0], BATCH)
-    assert int(head[tp.VERSION]) == 3
+    assert int(head[wire.VERSION]) == 3
     with server.cond:
         assert server.applied == 3
     store.set("ps/finish", "1")

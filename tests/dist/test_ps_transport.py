@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server import transport as wire
 from tests.conftest import REPO
 
 # 128 MB: far more than loopback's socket buffers (a few MB) hold.
@@ -40,11 +40,11 @@ RECEIVER = """
 import datetime, sys
 import torch
 from torch.distributed import TCPStore
-from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server import transport as wire
 
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
                  timeout=datetime.timedelta(seconds=60))
-link = tp.Link(store, "link", server_side=True, timeout_s=60)
+link = wire.Link(store, "link", server_side=True, timeout_s=60)
 big = link.irecv(torch.zeros(int(sys.argv[2])), first_tag=1)
 link.send(torch.zeros(1))  # after the big recv's notice: once this is there, so is that
 big[0].wait()  # never: the test stops this process, then kills it
@@ -55,7 +55,7 @@ def test_a_send_whose_receiver_dies_mid_message_fails_with_peer_died():
     store = store_here()
     child = subprocess.Popen([sys.executable, "-c", RECEIVER, str(store.port), str(NUMEL)],
                              cwd=REPO, stdin=subprocess.DEVNULL)  # fmt: skip
-    link = tp.Link(store, "link", server_side=False, timeout_s=LINK_TIMEOUT_S, peer=PEER)
+    link = wire.Link(store, "link", server_side=False, timeout_s=LINK_TIMEOUT_S, peer=PEER)
     link.recv(torch.zeros(1))  # the child's big recv is posted
     # Stopped, the child reads nothing more: the send fills the socket buffers and the
     # rest of its 128 MB stays here, so the child dies with the message half across.
@@ -64,17 +64,17 @@ def test_a_send_whose_receiver_dies_mid_message_fails_with_peer_died():
 
     def launcher() -> None:  # sees the death, then publishes it, as launch/ps.py does
         code = child.wait(timeout=120)
-        store.set(tp.death_key(*PEER), f"exit code {code}")
+        store.set(wire.death_key(*PEER), f"exit code {code}")
 
     watcher = threading.Thread(target=launcher, name="launcher")
     watcher.start()
     os.kill(child.pid, signal.SIGKILL)
-    with pytest.raises(tp.PeerDied, match="died"):
+    with pytest.raises(wire.PeerDied, match="died"):
         link.wait(works)
     watcher.join()
     link.close()
     assert child.returncode == -signal.SIGKILL
-    with pytest.raises(tp.PeerDied):  # the link is dead for good
+    with pytest.raises(wire.PeerDied):  # the link is dead for good
         link.isend(torch.zeros(1))
 
 
@@ -89,13 +89,13 @@ def test_a_link_whose_peer_died_before_making_its_end_fails_with_peer_died():
     def launcher() -> None:  # the notice comes while the link is being made
         while not any(t.name == "scaletrain-link-connect" for t in threading.enumerate()):
             threading.Event().wait(0.01)
-        store.set(tp.death_key(*PEER), "killed by SIGKILL")
+        store.set(wire.death_key(*PEER), "killed by SIGKILL")
 
     notice = threading.Thread(target=launcher, name="launcher")
     notice.start()
     started = time.monotonic()
-    with pytest.raises(tp.PeerDied, match="before the link was made"):
-        tp.Link(link_store, "link", server_side=False, timeout_s=LINK_TIMEOUT_S, peer=PEER)
+    with pytest.raises(wire.PeerDied, match="before the link was made"):
+        wire.Link(link_store, "link", server_side=False, timeout_s=LINK_TIMEOUT_S, peer=PEER)
     # At the notice, not at the link's timeout (a check over the link's own store client
     # queued behind gloo's set-up, which waits there for the peer until that timeout).
     assert time.monotonic() - started < LINK_TIMEOUT_S / 2
@@ -106,22 +106,22 @@ def test_a_live_peer_that_answers_late_is_waited_for():
     # The notice is for another attempt of the same rank: this peer is alive and answers
     # after several checks of the store.
     store = store_here()
-    store.set(tp.death_key(PEER[0], PEER[1] + 1), "killed by SIGKILL")
+    store.set(wire.death_key(PEER[0], PEER[1] + 1), "killed by SIGKILL")
     late = """
 import datetime, sys, time
 import torch
 from torch.distributed import TCPStore
-from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server import transport as wire
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False,
                  timeout=datetime.timedelta(seconds=60))
-link = tp.Link(store, "link", server_side=True, timeout_s=60)
+link = wire.Link(store, "link", server_side=True, timeout_s=60)
 link.recv(torch.zeros(1))
-time.sleep(3 * tp.WATCH_S)  # only to make the other end check the store a few times
+time.sleep(3 * wire.WATCH_S)  # only to make the other end check the store a few times
 link.send(torch.full((4,), 7.0))
 """
     child = subprocess.Popen([sys.executable, "-c", late, str(store.port)], cwd=REPO,
                              stdin=subprocess.DEVNULL)  # fmt: skip
-    link = tp.Link(store, "link", server_side=False, timeout_s=60, peer=PEER)
+    link = wire.Link(store, "link", server_side=False, timeout_s=60, peer=PEER)
     out = torch.zeros(4)
     works = link.irecv(out)
     link.send(torch.zeros(1))
@@ -140,5 +140,5 @@ def test_the_launcher_publishes_each_death_under_the_key_the_links_watch(tmp_pat
                      "launch": {"nproc_per_node": 3, "max_restarts": 0}})  # fmt: skip
     fleet = PSFleet(cfg, tmp_path)
     fleet._died(2, -signal.SIGKILL)  # the server, rank 2, in its first attempt
-    assert fleet.store.get(tp.death_key(2, 0)) == b"killed by SIGKILL"
-    assert not fleet.store.check([tp.death_key(2, 1)])
+    assert fleet.store.get(wire.death_key(2, 0)) == b"killed by SIGKILL"
+    assert not fleet.store.check([wire.death_key(2, 1)])

@@ -189,18 +189,18 @@ def measure_ps(
     import torch
     import torch.distributed as dist
 
-    from scaletrain.strategies.param_server import transport as tp
+    from scaletrain.strategies.param_server import transport as wire
 
     work_once = _host_work()
     store = _store(rank, world, endpoint)
     workers = list(range(servers, world))
     size, rounds = 1024 // servers, repeats + 3  # 3 rounds of warm-up
 
-    def link(server: int, worker: int) -> tp.Link:
+    def link(server: int, worker: int) -> wire.Link:
         client = dist.TCPStore(store.host, store.port, is_master=False)
         side = rank == server
         # 300 s: 32 processes importing torch on 2 cores take most of a minute to get here.
-        return tp.Link(client, f"probe/s{server}/w{worker}", server_side=side, timeout_s=300.0,
+        return wire.Link(client, f"probe/s{server}/w{worker}", server_side=side, timeout_s=300.0,
                        peer=(worker if side else server, 0))  # fmt: skip
 
     if rank < servers:
@@ -217,14 +217,14 @@ def measure_ps(
         def serve_rounds(worker: int) -> None:
             pair = link(rank, worker)
             round_done.wait()  # connected
-            head, grad = torch.zeros(tp.HEADER, dtype=torch.int64), torch.zeros(size)
+            head, grad = torch.zeros(wire.HEADER, dtype=torch.int64), torch.zeros(size)
             for _ in range(rounds):
                 pair.recv(head)
                 pair.recv(grad, first_tag=1)
                 with lock:
                     param.add_(grad, alpha=-0.01)
                 round_done.wait()  # bsp: the round's replies go once every push is in
-                pair.send(tp.reply_header(version=1), param)
+                pair.send(wire.reply_header(version=1), param)
             pair.close()
 
         threads = [threading.Thread(target=serve, args=(w,), daemon=True) for w in workers]
@@ -239,8 +239,8 @@ def measure_ps(
         result = {"server_cpu_s": (time.process_time() - start) / (rounds * len(workers))}
     else:
         pairs = [link(k, rank) for k in range(servers)]
-        head, grad = tp.header(kind=1), torch.ones(size)
-        replies = [(torch.zeros(tp.HEADER, dtype=torch.int64), torch.zeros(size)) for _ in pairs]
+        head, grad = wire.header(kind=1), torch.ones(size)
+        replies = [(torch.zeros(wire.HEADER, dtype=torch.int64), torch.zeros(size)) for _ in pairs]
 
         def exchange() -> None:
             pending = [

@@ -52,7 +52,7 @@ from torch import nn
 
 from scaletrain.fault.internal import guarded
 from scaletrain.schedule import scale_lr
-from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server import transport as wire
 from scaletrain.strategies.param_server.keys import backup as backup_key
 from scaletrain.strategies.param_server.keys import primary as primary_key
 from scaletrain.strategies.param_server.keys import promote as promote_key
@@ -67,7 +67,7 @@ SYNC, STATE, FORWARD, ACK = 1, 2, 3, 4
 PROMOTED = 1000
 # A replication thread whose connection to the job's store fails ends (the server's own
 # calls fail the same way); any other error in it is a bug, which ends the process.
-STORE_LOST = (tp.LinkError, dist.DistError)
+STORE_LOST = (wire.LinkError, dist.DistError)
 
 
 def backup_of(k: int, num_servers: int) -> int:
@@ -91,20 +91,20 @@ def from_bytes(data: torch.Tensor) -> Any:
 
 
 def _header(*values: int) -> torch.Tensor:
-    t = torch.zeros(tp.HEADER, dtype=torch.int64)
+    t = torch.zeros(wire.HEADER, dtype=torch.int64)
     t[: len(values)] = torch.tensor(values, dtype=torch.int64)
     return t
 
 
-def _send_blob(link: tp.Link, data: torch.Tensor | None, tag: int) -> None:
+def _send_blob(link: wire.Link, data: torch.Tensor | None, tag: int) -> None:
     """A payload of a size the receiver does not know: its length, then its bytes."""
     link.send(_header(STATE, 0 if data is None else data.numel()), first_tag=tag)
     if data is not None and data.numel():
         link.send(data, first_tag=tag + 1)
 
 
-def _recv_blob(link: tp.Link, tag: int) -> torch.Tensor | None:
-    head = torch.zeros(tp.HEADER, dtype=torch.int64)
+def _recv_blob(link: wire.Link, tag: int) -> torch.Tensor | None:
+    head = torch.zeros(wire.HEADER, dtype=torch.int64)
     link.recv(head, first_tag=tag)
     if int(head[0]) != STATE:
         raise RuntimeError(f"replica link: expected a state, got message kind {int(head[0])}")
@@ -185,8 +185,8 @@ class Primary:
         self.backup_rank = num_workers + self.backup
         self.store, self.new_store, self.timeout_s = store, new_store, timeout_s
         self.lock, self.full_state, self.stop = lock, full_state, stop
-        self.link: tp.Link | None = None
-        self.unsynced: tp.Link | None = None  # a link whose backup waits for the state
+        self.link: wire.Link | None = None
+        self.unsynced: wire.Link | None = None  # a link whose backup waits for the state
         self.linked: str | None = None  # the backup's process attempt at the link's end
         self.sent = torch.empty(0, dtype=torch.uint8)  # the bookkeeping last forwarded
         self.pending: list[tuple[torch.Tensor, float]] = []
@@ -216,7 +216,7 @@ class Primary:
             try:
                 link.send(_header(SYNC, 1))
                 data = _recv_blob(link, 0)
-            except tp.LinkError as e:
+            except wire.LinkError as e:
                 log.warning("slice %d: backup lost while sending it: %s", self.index, e)
                 link.close()
                 continue
@@ -262,7 +262,7 @@ class Primary:
                 link.send(factors, *(g for g, _ in updates), meta, first_tag=1)
             else:
                 link.send(meta, first_tag=1)
-            ack = torch.zeros(tp.HEADER, dtype=torch.int64)
+            ack = torch.zeros(wire.HEADER, dtype=torch.int64)
             link.recv(ack)
         except RuntimeError as e:
             log.warning("slice %d: backup lost (%s); going on without one until its server "
@@ -292,8 +292,8 @@ class Primary:
                         link.send(_header(SYNC, 0))
                     _send_blob(link, to_bytes(self.full_state()), 0)
                     # Held once the backup has loaded it (a sent copy can die in a buffer).
-                    link.recv(torch.zeros(tp.HEADER, dtype=torch.int64))
-                except tp.LinkError as e:
+                    link.recv(torch.zeros(wire.HEADER, dtype=torch.int64))
+                except wire.LinkError as e:
                     log.warning("slice %d: backup lost during its copy: %s", self.index, e)
                     link.close()
                     continue
@@ -302,7 +302,7 @@ class Primary:
             log.info("slice %d: backup on server %d holds it", self.index, self.backup)
             self.on_synced(int((self.linked or "-1").split(".")[0]))
 
-    def _connect(self, deadline: float | None) -> tp.Link | None:
+    def _connect(self, deadline: float | None) -> wire.Link | None:
         """A link to the backup that is up now: not the one whose link failed (its process
         is dead, or it names itself anew, ATTEMPT.GEN, to link again); None when
         ``deadline`` passes or the server stops."""
@@ -317,14 +317,14 @@ class Primary:
                 continue
             tried = value
             peer = (self.backup_rank, int(value.split(".")[0]))
-            if self.store.check([tp.death_key(*peer)]):
+            if self.store.check([wire.death_key(*peer)]):
                 continue
             try:
-                link = tp.Link(self.new_store(), link_prefix(self.index, self.attempt, value),
+                link = wire.Link(self.new_store(), link_prefix(self.index, self.attempt, value),
                                server_side=True, timeout_s=self.timeout_s, peer=peer)  # fmt: skip
                 self.linked = value
                 return link
-            except tp.LinkError as e:
+            except wire.LinkError as e:
                 log.warning("slice %d: no link to backup attempt %s: %s", self.index, value, e)
         return None
 
@@ -387,24 +387,24 @@ class Backup:
                 continue
             tried = value
             peer = (self.primary_rank, int(value))
-            if self.store.check([tp.death_key(*peer)]):
+            if self.store.check([wire.death_key(*peer)]):
                 continue
             try:
-                link = tp.Link(self.new_store(), link_prefix(self.slice, int(value), self.name),
+                link = wire.Link(self.new_store(), link_prefix(self.slice, int(value), self.name),
                                server_side=False, timeout_s=self.timeout_s, peer=peer)  # fmt: skip
-            except tp.LinkError as e:
+            except wire.LinkError as e:
                 log.warning("slice %d: no link to primary %s: %s", self.slice, value, e)
                 continue
             try:
                 self._serve(link)
-            except tp.LinkError as e:
+            except wire.LinkError as e:
                 if not self.stop.is_set():
                     self._lost(peer, e)
                     tried = None  # a primary that lives links to the new name
             finally:
                 link.close()
 
-    def _lost(self, peer: tuple[int, int], error: tp.LinkError) -> None:
+    def _lost(self, peer: tuple[int, int], error: wire.LinkError) -> None:
         """The link to the primary broke: it died, or the link did (both alive). The copy is
         kept either way, and the next link decides what it is worth: a restarted primary
         takes it (the updates it acknowledged after the last forward, if any, are counted as
@@ -415,8 +415,8 @@ class Backup:
         log.warning("slice %d: the link to primary %s broke (%s); linking again as %s",
                     self.slice, peer, why, self.name)  # fmt: skip
 
-    def _serve(self, link: tp.Link) -> None:
-        head = torch.zeros(tp.HEADER, dtype=torch.int64)
+    def _serve(self, link: wire.Link) -> None:
+        head = torch.zeros(wire.HEADER, dtype=torch.int64)
         link.recv(head)
         if int(head[0]) != SYNC:
             raise RuntimeError(f"replica link: expected SYNC, got kind {int(head[0])}")
@@ -438,7 +438,7 @@ class Backup:
             self._apply(link, int(head[1]), int(head[2]))
             link.send(_header(ACK, self.book.version if self.book else 0))
 
-    def _apply(self, link: tp.Link, count: int, meta_len: int) -> None:
+    def _apply(self, link: wire.Link, count: int, meta_len: int) -> None:
         factors = torch.zeros(count, dtype=torch.float64)
         grads = [torch.empty_like(self.param.data) for _ in range(count)]
         meta = torch.empty(meta_len, dtype=torch.uint8)

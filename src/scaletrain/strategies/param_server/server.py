@@ -58,7 +58,7 @@ from scaletrain.metrics.summary import peak_rss_bytes
 from scaletrain.schedule import lr_factor, scale_lr
 from scaletrain.strategies.param_server import consistency as rules
 from scaletrain.strategies.param_server import cuts, keys, replica
-from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server import transport as wire
 from scaletrain.strategies.param_server.admission import Admission
 from scaletrain.strategies.param_server.coordinator import DataCoordinator, Lease
 from scaletrain.strategies.param_server.exposure import AcknowledgedLoss
@@ -403,12 +403,12 @@ class ShardServer:
     def _watch_kept(self) -> None:
         """Server 0 restored from a backup: a kept lease whose process died before it joined
         again is dealt again (its successor joins as a new process)."""
-        while not self.stop.wait(tp.WATCH_S):
+        while not self.stop.wait(wire.WATCH_S):
             with self.cond:
                 if not self.kept:
                     return
                 for worker, (holder, _) in list(self.kept.items()):
-                    if self.store.check([tp.death_key(worker, holder)]):
+                    if self.store.check([wire.death_key(worker, holder)]):
                         del self.kept[worker]
                         if self.coordinator is not None and self.coordinator.requeue(worker):
                             if self.mode == "bsp":
@@ -714,30 +714,30 @@ class ShardServer:
     def _handle(self, worker: int, attempt: int, prefix: str) -> None:
         """Serve one worker process (``worker``'s ``attempt``) over its own link."""
         try:
-            link = tp.Link(self.new_store(), prefix, server_side=True,
+            link = wire.Link(self.new_store(), prefix, server_side=True,
                            timeout_s=self.cfg.launch.timeout_s,
                            peer=(worker, attempt))  # fmt: skip
         except Exception as e:
             log.warning("worker %d could not connect: %s", worker, e)
             return
-        head = torch.zeros(tp.HEADER, dtype=torch.int64)
+        head = torch.zeros(wire.HEADER, dtype=torch.int64)
         grad = torch.zeros_like(self.param.data)
         try:
             while True:
                 link.recv(head)
-                kind = tp.Kind(int(head[tp.KIND]))
-                if kind == tp.Kind.DONE:
+                kind = wire.Kind(int(head[wire.KIND]))
+                if kind == wire.Kind.DONE:
                     self._leave(worker, attempt, died=False)
                     return
-                if kind == tp.Kind.PUSH:
+                if kind == wire.Kind.PUSH:
                     link.recv(grad, first_tag=1)
-                reply = self._hello(worker, head) if kind == tp.Kind.HELLO \
+                reply = self._hello(worker, head) if kind == wire.Kind.HELLO \
                     else self._push(worker, head, grad)  # fmt: skip
                 link.send(*reply)
         except Exception as e:
             if not self.stop.is_set():
                 log.warning("lost worker %d: %s", worker, first_line(e))
-                how = "died" if isinstance(e, tp.PeerDied) else "connection"
+                how = "died" if isinstance(e, wire.PeerDied) else "connection"
                 self._leave(worker, attempt, died=True, how=how)
         finally:
             link.close()
@@ -752,15 +752,15 @@ class ShardServer:
             others = [self.clocks[w] for w in self.live]
             if self.bound is not None and worker not in self.hellos and self._awaiting_joins():
                 others.append(0)  # ssp's start: a worker's first join, at no push yet
-            self.clocks[worker] = rules.join_clock(int(head[tp.CLOCK]), others)
+            self.clocks[worker] = rules.join_clock(int(head[wire.CLOCK]), others)
             self.clock_moved[worker] = time.monotonic()
             self.live.add(worker)
-            self.sessions[worker] = int(head[tp.ATTEMPT])
+            self.sessions[worker] = int(head[wire.ATTEMPT])
             self.hellos.add(worker)
-            self.loss.joined(worker, int(head[tp.VERSION_ON]))
-            keep, kept = self._kept_lease(worker, int(head[tp.ATTEMPT]))
+            self.loss.joined(worker, int(head[wire.VERSION_ON]))
+            keep, kept = self._kept_lease(worker, int(head[wire.ATTEMPT]))
             if self.coordinator is None:
-                self.join_step[worker] = int(head[tp.STEP])
+                self.join_step[worker] = int(head[wire.STEP])
             elif keep:  # restored from a backup: the worker goes on with the lease it holds
                 self.leases[worker] = kept
                 self.join_step[worker] = kept.step if kept else 0
@@ -779,7 +779,7 @@ class ShardServer:
                     "event": "joined",
                     "server": self.index,
                     "worker": worker,
-                    "attempt": int(head[tp.ATTEMPT]),
+                    "attempt": int(head[wire.ATTEMPT]),
                 },
             )
             return self._reply(worker, started, staleness=0, committed=False)
@@ -856,7 +856,7 @@ class ShardServer:
             while not self.stop.wait(0.02) and time.monotonic() < deadline:
                 with self.cond:
                     missing = [w for w, a in self.members.items() if w not in self.hellos
-                               and not self.store.check([tp.death_key(w, a)])]  # fmt: skip
+                               and not self.store.check([wire.death_key(w, a)])]  # fmt: skip
                 if not missing:
                     break
             grace = 0.0
@@ -913,16 +913,16 @@ class ShardServer:
     # -- updates -------------------------------------------------------------------------
     def _push(self, worker: int, head: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
         started = time.perf_counter()
-        step, samples = int(head[tp.STEP]), int(head[tp.NUM_SAMPLES])
+        step, samples = int(head[wire.STEP]), int(head[wire.NUM_SAMPLES])
         with self.cond:
             if self.frozen:  # a cut (asp, ssp): held unless the cut holds this push
-                self.cond.wait_for(lambda: self._may_apply(worker, int(head[tp.CLOCK])))
+                self.cond.wait_for(lambda: self._may_apply(worker, int(head[wire.CLOCK])))
             if worker not in self.live:
                 return self._dropped_reply()
-            stale = rules.staleness(self.version, int(head[tp.VERSION_ON]))
+            stale = rules.staleness(self.version, int(head[wire.VERSION_ON]))
             if self.mode == "bsp":
                 return self._bsp_push(worker, step, samples, grad, started)
-            push = (int(head[tp.ATTEMPT]), int(head[tp.CLOCK]))
+            push = (int(head[wire.ATTEMPT]), int(head[wire.CLOCK]))
             seen = self.applied_clock.get(worker)
             self.clocks[worker] = push[1]  # the worker's count, as every server's
             self.clock_moved[worker] = time.monotonic()
@@ -1121,7 +1121,7 @@ class ShardServer:
 
     def _dropped_reply(self) -> list[torch.Tensor]:
         """Every reply has the same shape; this one's payload is only there to be ignored."""
-        out = [tp.reply_header(status=tp.Status.DROPPED, version=self.version),
+        out = [wire.reply_header(status=wire.Status.DROPPED, version=self.version),
                self.param.detach().clone()]  # fmt: skip
         if self.coordinator is not None:
             out.append(torch.full((self.cfg.samples_per_step,), -1, dtype=torch.int64))
@@ -1135,8 +1135,8 @@ class ShardServer:
         self.loss.replied(worker)
         lease = self.leases.get(worker) if self.coordinator is not None else None
         end = self.coordinator is not None and lease is None
-        head = tp.reply_header(
-            status=tp.Status.END if end else tp.Status.OK,
+        head = wire.reply_header(
+            status=wire.Status.END if end else wire.Status.OK,
             version=self.version,
             staleness=staleness,
             held_us=int((time.perf_counter() - started) * 1e6),
@@ -1144,7 +1144,7 @@ class ShardServer:
             lease_epoch=lease.epoch if lease else 0,
             lease_step=lease.step if lease else 0,
             committed=int(committed),
-            lr_factor=tp.float_bits(lr_factor),
+            lr_factor=wire.float_bits(lr_factor),
             clock=self.clocks.get(worker, 0),
         )
         out = [head, self.param.detach().clone()]

@@ -42,7 +42,7 @@ from scaletrain.strategies.base import (
     model_bytes,
 )
 from scaletrain.strategies.param_server import keys
-from scaletrain.strategies.param_server import transport as tp
+from scaletrain.strategies.param_server import transport as wire
 from scaletrain.strategies.param_server.admission import JoinRefused, join_record
 from scaletrain.strategies.param_server.consistency import shard_ranges, total_updates
 
@@ -130,7 +130,7 @@ class PSWorkerStrategy(Strategy):
         self.numel = sum(p.numel() for p in self.params)
         self.dtype = self.params[0].dtype
         self.ranges = shard_ranges(self.numel, cfg.ps.num_servers)
-        self.links: dict[int, tp.Link] = {}
+        self.links: dict[int, wire.Link] = {}
         self.incarnation: dict[int, int] = {}
         self.versions = [0] * len(self.ranges)
         self.flat = torch.zeros(self.numel, dtype=self.dtype)
@@ -168,7 +168,7 @@ class PSWorkerStrategy(Strategy):
         return {"param_bytes": size, "grad_bytes": size, "optimizer_bytes": 0}
 
     # -- connections ---------------------------------------------------------------------
-    def _link(self, k: int) -> tp.Link:
+    def _link(self, k: int) -> wire.Link:
         """A new link to server ``k``'s current incarnation (waiting for a restarted one)."""
         inc = self._await_incarnation(k)
         # Tried: if it dies before the link is made, the next attempt waits for its successor.
@@ -190,23 +190,23 @@ class PSWorkerStrategy(Strategy):
                 "(give every node the same --join-token-file)"
             )
         try:
-            link = tp.Link(self.new_store(), keys.worker_link(k, inc, self.worker, self.attempt),
+            link = wire.Link(self.new_store(), keys.worker_link(k, inc, self.worker, self.attempt),
                            server_side=False, timeout_s=self.cfg.launch.timeout_s,
                            peer=peer)  # fmt: skip
-        except tp.PeerDied:
+        except wire.PeerDied:
             raise
         except RuntimeError as e:
             # Gloo gave up connecting ("Connection refused"): the server may have died before
             # its launcher said so. Its death notice then follows within moments.
             if self._death_said(peer, 2.0):
-                raise tp.PeerDied(f"server {k} died while its link was made") from e
+                raise wire.PeerDied(f"server {k} died while its link was made") from e
             raise
         self.links[k] = link
         return link
 
     def _death_said(self, peer: tuple[int, int], within_s: float) -> bool:
         deadline = time.monotonic() + within_s
-        while not self.store.check([tp.death_key(*peer)]):
+        while not self.store.check([wire.death_key(*peer)]):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
@@ -215,10 +215,10 @@ class PSWorkerStrategy(Strategy):
     def _await_answer(self, key: str, peer: tuple[int, int]) -> None:
         """Until the server has answered a join (``key``), or PeerDied once the launcher
         says it died first (it was waited for until the store's timeout)."""
-        dead = tp.death_key(*peer)
+        dead = wire.death_key(*peer)
         while not self.store.check([key]):
             if self.store.check([dead]):
-                raise tp.PeerDied(f"server rank {peer[0]} died before it answered the join")
+                raise wire.PeerDied(f"server rank {peer[0]} died before it answered the join")
             time.sleep(0.01)
 
     def _await_incarnation(self, k: int) -> int:
@@ -244,13 +244,13 @@ class PSWorkerStrategy(Strategy):
         while True:
             try:
                 link = self.links.get(k) or self._link(k)
-            except tp.PeerDied as e:  # it died while admitting this worker: its successor
+            except wire.PeerDied as e:  # it died while admitting this worker: its successor
                 log.warning("server %d lost during its join: %s", k, e)
                 continue
             try:
                 # version_on: the last version this worker saw of the slice (a restarted
                 # server counts what it lost of it: exposure.py).
-                link.send(tp.header(kind=tp.Kind.HELLO, step=step, worker=self.worker,
+                link.send(wire.header(kind=wire.Kind.HELLO, step=step, worker=self.worker,
                                     attempt=self.attempt, version_on=self.versions[k],
                                     clock=-1 if self.clock is None else self.clock))  # fmt: skip
                 return self._receive(k)
@@ -272,7 +272,7 @@ class PSWorkerStrategy(Strategy):
 
     def _buffers(self, k: int) -> list[torch.Tensor]:
         lo, hi = self.ranges[k]
-        out = [torch.zeros(tp.HEADER, dtype=torch.int64), self.flat[lo:hi]]
+        out = [torch.zeros(wire.HEADER, dtype=torch.int64), self.flat[lo:hi]]
         if k == 0:
             out.append(torch.zeros(self.cfg.samples_per_step, dtype=torch.int64))
         return out
@@ -284,15 +284,15 @@ class PSWorkerStrategy(Strategy):
 
     def _accept_reply(self, k: int, bufs: list[torch.Tensor]) -> torch.Tensor:
         head = bufs[0]
-        self.versions[k] = int(head[tp.VERSION])
+        self.versions[k] = int(head[wire.VERSION])
         if k == 0:
             if self.clock is None:
-                self.clock = int(head[tp.REPLY_CLOCK])
-            if int(head[tp.STATUS]) == tp.Status.END:
+                self.clock = int(head[wire.REPLY_CLOCK])
+            if int(head[wire.STATUS]) == wire.Status.END:
                 self.lease = None
-            elif int(head[tp.STATUS]) == tp.Status.OK:
-                n = int(head[tp.LEASE_LEN])
-                self.lease = (int(head[tp.LEASE_EPOCH]), int(head[tp.LEASE_STEP]),
+            elif int(head[wire.STATUS]) == wire.Status.OK:
+                n = int(head[wire.LEASE_LEN])
+                self.lease = (int(head[wire.LEASE_EPOCH]), int(head[wire.LEASE_STEP]),
                               bufs[2][:n].tolist())  # fmt: skip
         return head
 
@@ -334,9 +334,9 @@ class PSWorkerStrategy(Strategy):
         t1, pushed_at = time.perf_counter(), time.time()
         heads, lost = self._exchange(step, batch.num_samples, grad)
         round_s = time.perf_counter() - t1
-        held_s = max((int(h[tp.HELD_US]) for h in heads.values()), default=0) / 1e6
-        dropped = any(int(h[tp.STATUS]) == tp.Status.DROPPED for h in heads.values())
-        committed = 0 in heads and bool(int(heads[0][tp.COMMITTED]))
+        held_s = max((int(h[wire.HELD_US]) for h in heads.values()), default=0) / 1e6
+        dropped = any(int(h[wire.STATUS]) == wire.Status.DROPPED for h in heads.values())
+        committed = 0 in heads and bool(int(heads[0][wire.COMMITTED]))
         if dropped:  # bsp: the barrier went on without this worker: join it again
             log.warning("dropped from step %d; joining again", step)
             self.lease = None  # server 0 deals a new one on the rejoin
@@ -345,7 +345,7 @@ class PSWorkerStrategy(Strategy):
             next_step = self.lease[1] if self.lease else 0
             for k in lost:  # a restarted server: join its new incarnation
                 self._hello(k, next_step)
-        factor = tp.bits_float(int(heads[0][tp.LR_FACTOR])) if 0 in heads else None
+        factor = wire.bits_float(int(heads[0][wire.LR_FACTOR])) if 0 in heads else None
         return StepResult(
             loss=loss if loss is not None else torch.zeros(()),
             compute_s=compute_s,
@@ -356,7 +356,7 @@ class PSWorkerStrategy(Strategy):
             samples=batch.num_samples if committed else 0,
             overlap=0.0,  # a blocking round trip
             extras={
-                "staleness": max((int(h[tp.STALENESS]) for h in heads.values()), default=0),
+                "staleness": max((int(h[wire.STALENESS]) for h in heads.values()), default=0),
                 # The lr this push was applied with (server 0's: the servers' rules agree
                 # but for their own staleness), and the factor of --lr it is.
                 "lr_factor": factor,
@@ -377,7 +377,7 @@ class PSWorkerStrategy(Strategy):
         again: a preempted worker leaves between steps) and close the links."""
         for k, link in self.links.items():
             try:
-                link.send(tp.header(kind=tp.Kind.DONE, worker=self.worker))
+                link.send(wire.header(kind=wire.Kind.DONE, worker=self.worker))
             except RuntimeError:
                 log.warning("server %d gone at the end", k)
             link.close()
@@ -392,7 +392,7 @@ class PSWorkerStrategy(Strategy):
     ) -> tuple[dict[int, torch.Tensor], list[int]]:
         """Push every server its gradient slice and take every reply, all at once. Returns
         the reply headers and the servers lost on the way (their slice was not applied)."""
-        head = tp.header(kind=tp.Kind.PUSH, step=step, num_samples=num_samples,
+        head = wire.header(kind=wire.Kind.PUSH, step=step, num_samples=num_samples,
                          worker=self.worker, attempt=self.attempt,
                          clock=self.clock or 0)  # fmt: skip
         pending: dict[int, tuple[list[Any], list[torch.Tensor]]] = {}
@@ -400,7 +400,7 @@ class PSWorkerStrategy(Strategy):
         sent: dict[int, torch.Tensor] = {}
         for k, (lo, hi) in enumerate(self.ranges):
             h = sent[k] = head.clone()
-            h[tp.VERSION_ON] = self.versions[k]
+            h[wire.VERSION_ON] = self.versions[k]
             bufs = self._buffers(k)
             try:
                 works = self.links[k].isend(h, grad[lo:hi]) + self.links[k].irecv(*bufs)
