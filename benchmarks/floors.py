@@ -54,6 +54,17 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch_version}")  # fmt: skip
 
 
+def source_commit() -> str:
+    """The commit the measuring code is at, marked ``+changes`` when src/ or benchmarks/
+    differ from it (the code that measured is then not the commit's)."""
+    git = ["git", "-C", str(REPO)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    changed = subprocess.run([*git, "status", "--porcelain", "--", "src", "benchmarks"],
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return commit + ("+changes" if changed else "")
+
+
 class Floors:
     def __init__(self, name: str | None = None) -> None:
         self.name = name or Path(sys.argv[0]).stem
@@ -63,6 +74,7 @@ class Floors:
         self.floors: list[dict[str, Any]] = []
         self.tables: list[dict[str, Any]] = []
         self.headlines: list[dict[str, str]] = []
+        self.commit = source_commit()
 
     def check(self, what: str, ok: bool) -> str:
         self.checked += 1
@@ -84,15 +96,13 @@ class Floors:
         self.headlines.append({"what": what, "figure": figure})
 
     def record(self) -> dict[str, Any]:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip()  # fmt: skip
         return {
             "benchmark": self.name,
             "command": " ".join(["python", f"benchmarks/{self.name}.py", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.began)),
             "wall_s": round(time.time() - self.began),
             "machine": machine(),
-            "commit": commit,
+            "commit": self.commit,
             "floors": self.floors,
             "met": self.checked - len(self.missed),
             "checked": self.checked,
