@@ -55,6 +55,19 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / name)
 
 
+def provenance(script: str, began: float) -> dict:
+    """Where a result comes from: the command, the date, the machine, the commit, the time."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    return {
+        "command": f"python {script} " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(began)),
+        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.platform()}",
+        "commit": commit,
+        "wall_s": round(time.time() - began),
+    }
+
+
 def failed_tests(report: Path) -> tuple[list[str], list[str], int]:
     """(tests that failed, collection errors, tests that ran) in a junit report."""
     if not report.exists():
@@ -155,14 +168,9 @@ def main() -> int:
                     print(f"{outcome['verdict']:8} {outcome['name']:32} "
                           f"{outcome.get('seconds', 0):6.1f} s  {extra}", flush=True)  # fmt: skip
     caught = sum(o["verdict"] == "caught" for o in outcomes)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "result.json").write_text(json.dumps({
-        "command": "python scripts/mutants.py " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(began)),
-        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.platform()}",
-        "commit": commit, "wall_s": round(time.time() - began),
+        **provenance("scripts/mutants.py", began),
         "caught": caught, "total": len(outcomes),
         "mutations": sorted(outcomes, key=lambda o: o["name"]),
     }, indent=1))  # fmt: skip

@@ -29,7 +29,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from mutants import copy_tree  # noqa: E402
+from mutants import copy_tree, provenance  # noqa: E402
 
 RESULTS = REPO / "runs" / "mutmut"
 FLOOR = 0.90
@@ -105,14 +104,9 @@ def main() -> int:
         code, tail = run(scratch)
         per_module = tally(scratch)
     below = {m: r for m, r in per_module.items() if r["rate"] < FLOOR}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "result.json").write_text(json.dumps({
-        "command": "python scripts/mutation_tool.py " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(began)),
-        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.platform()}",
-        "commit": commit, "wall_s": round(time.time() - began), "floor": FLOOR,
+        **provenance("scripts/mutation_tool.py", began), "floor": FLOOR,
         "modules": per_module,
     }, indent=1))  # fmt: skip
     for module, r in per_module.items():
